@@ -1,0 +1,365 @@
+//! The broker-neutral view of one delivery.
+
+use std::any::{Any, TypeId};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+
+/// Which kind of broker a delivery came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Broker {
+    /// RabbitMQ or another AMQP 0-9-1 broker.
+    Amqp,
+    /// Apache RocketMQ.
+    RocketMq,
+    /// An in-process source, as in tests and the quickstart.
+    InProcess,
+}
+
+/// Where a delivery came from: the broker and its queue or topic.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Source {
+    /// The broker kind.
+    pub broker: Broker,
+    /// The queue (AMQP) or topic (RocketMQ) name.
+    pub name: String,
+}
+
+impl Source {
+    /// A source on `broker` named `name`.
+    pub fn new(broker: Broker, name: impl Into<String>) -> Self {
+        Source {
+            broker,
+            name: name.into(),
+        }
+    }
+}
+
+/// Message headers (AMQP headers, RocketMQ user properties) as raw bytes by name.
+///
+/// Values are bytes because brokers do not promise UTF-8; a key read from a header is
+/// checked for UTF-8 when it is extracted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Headers(BTreeMap<String, Bytes>);
+
+impl Headers {
+    /// No headers.
+    pub fn new() -> Self {
+        Headers::default()
+    }
+
+    /// Sets `name` to `value`, replacing an earlier value.
+    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<Bytes>) {
+        self.0.insert(name.into(), value.into());
+    }
+
+    /// The value of `name`, if present.
+    pub fn get(&self, name: &str) -> Option<&Bytes> {
+        self.0.get(name)
+    }
+
+    /// All headers in name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Bytes)> {
+        self.0.iter().map(|(name, value)| (name.as_str(), value))
+    }
+
+    /// The number of headers.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when there are no headers.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// One delivery as an adapter received it, before a business key is read from it.
+///
+/// Adapters build it from the broker's message; [`Route::handle`](crate::Route::handle) turns
+/// it into an [`Envelope`] by extracting the business key.
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    message_id: Option<String>,
+    broker_key: Option<Bytes>,
+    headers: Headers,
+    body: Bytes,
+    attempt: u32,
+    redelivered: bool,
+    source: Source,
+    received_at: SystemTime,
+}
+
+impl Delivery {
+    /// A first delivery (attempt 1, not redelivered) of `body` from `source`, received now.
+    pub fn new(source: Source, body: impl Into<Bytes>) -> Self {
+        Delivery {
+            message_id: None,
+            broker_key: None,
+            headers: Headers::new(),
+            body: body.into(),
+            attempt: 1,
+            redelivered: false,
+            source,
+            received_at: SystemTime::now(),
+        }
+    }
+
+    /// Sets the broker's message id (AMQP `message_id`, RocketMQ `UNIQ_KEY`).
+    pub fn with_message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+
+    /// Sets the broker's key field (RocketMQ `KEYS`).
+    pub fn with_broker_key(mut self, key: impl Into<Bytes>) -> Self {
+        self.broker_key = Some(key.into());
+        self
+    }
+
+    /// Sets one header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+
+    /// Replaces all headers.
+    pub fn with_headers(mut self, headers: Headers) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Sets the attempt number (1 = first delivery). 0 is read as 1.
+    pub fn with_attempt(mut self, attempt: u32) -> Self {
+        self.attempt = attempt.max(1);
+        self
+    }
+
+    /// Marks the delivery as redelivered by the broker.
+    pub fn with_redelivered(mut self, redelivered: bool) -> Self {
+        self.redelivered = redelivered;
+        self
+    }
+
+    /// Sets when the delivery was received.
+    pub fn with_received_at(mut self, at: SystemTime) -> Self {
+        self.received_at = at;
+        self
+    }
+
+    /// The broker's message id, if the message has one.
+    pub fn message_id(&self) -> Option<&str> {
+        self.message_id.as_deref()
+    }
+
+    /// The broker's key field (RocketMQ `KEYS`), if any.
+    pub fn broker_key(&self) -> Option<&Bytes> {
+        self.broker_key.as_ref()
+    }
+
+    /// The headers or user properties.
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
+    /// The body.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// The attempt number: 1 for the first delivery, 2 for the first retry, and so on.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// True when the broker flagged the delivery as a redelivery.
+    pub fn redelivered(&self) -> bool {
+        self.redelivered
+    }
+
+    /// The broker and queue or topic.
+    pub fn source(&self) -> &Source {
+        &self.source
+    }
+
+    /// When the delivery was received.
+    pub fn received_at(&self) -> SystemTime {
+        self.received_at
+    }
+}
+
+/// The business key: what "the same message" means for a route, e.g. `order_123:deduct_stock`.
+///
+/// Cheap to clone. Extracted by a [`KeyExtractor`](crate::KeyExtractor), which enforces a
+/// maximum length; one built with [`BusinessKey::new`] is taken as given.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BusinessKey(Arc<str>);
+
+impl BusinessKey {
+    /// A key with exactly this text.
+    pub fn new(key: impl Into<Arc<str>>) -> Self {
+        BusinessKey(key.into())
+    }
+
+    /// The key's text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for BusinessKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for BusinessKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+/// A 128-bit hash of a message body (XXH3-128), stored with a key so that the same key
+/// arriving with another payload is told apart from a true duplicate.
+///
+/// Not cryptographic: it catches keys reused by mistake, not an adversary forging bodies.
+/// Stable across processes, versions and platforms, so it can be stored durably.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(u128);
+
+impl Fingerprint {
+    /// The fingerprint of `body`.
+    pub fn of(body: &[u8]) -> Self {
+        Fingerprint(xxhash_rust::xxh3::xxh3_128(body))
+    }
+
+    /// The raw 128-bit value.
+    pub fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// A fingerprint from its raw value, as read back from a store.
+    pub fn from_u128(value: u128) -> Self {
+        Fingerprint(value)
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({self})")
+    }
+}
+
+/// Values that tiers hand to the tiers behind them and to the handler, by type: for
+/// example the lock's [`LockLease`](crate::lock::LockLease) with its fencing token.
+///
+/// Cloning shares the values (they are reference counted), so it stays cheap.
+#[derive(Clone, Default)]
+pub struct Extensions(HashMap<TypeId, Arc<dyn Any + Send + Sync>>);
+
+impl Extensions {
+    /// Stores `value`, replacing an earlier value of the same type.
+    pub fn insert<T: Send + Sync + 'static>(&mut self, value: T) {
+        self.0.insert(TypeId::of::<T>(), Arc::new(value));
+    }
+
+    /// The value of type `T`, if one was stored.
+    pub fn get<T: Send + Sync + 'static>(&self) -> Option<&T> {
+        self.0
+            .get(&TypeId::of::<T>())
+            .and_then(|value| value.downcast_ref())
+    }
+}
+
+impl fmt::Debug for Extensions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Extensions").field("len", &self.0.len()).finish()
+    }
+}
+
+/// One delivery with its business key: what every tier of the stack receives.
+///
+/// Cheap to clone: the delivery is shared, and extensions share their values.
+#[derive(Clone, Debug)]
+pub struct Envelope {
+    key: BusinessKey,
+    fingerprint: Fingerprint,
+    delivery: Arc<Delivery>,
+    extensions: Extensions,
+}
+
+impl Envelope {
+    /// An envelope for `delivery` under `key`; the body's fingerprint is computed here, once.
+    pub fn new(key: BusinessKey, delivery: Delivery) -> Self {
+        Envelope {
+            key,
+            fingerprint: Fingerprint::of(delivery.body()),
+            delivery: Arc::new(delivery),
+            extensions: Extensions::default(),
+        }
+    }
+
+    /// The business key.
+    pub fn key(&self) -> &BusinessKey {
+        &self.key
+    }
+
+    /// The body's fingerprint.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The delivery: body, headers, attempt, source and broker fields.
+    pub fn delivery(&self) -> &Delivery {
+        &self.delivery
+    }
+
+    /// Values set by the tiers in front, e.g. the lock's lease.
+    pub fn extensions(&self) -> &Extensions {
+        &self.extensions
+    }
+
+    /// Mutable access to the extensions, for tiers that hand something on.
+    pub fn extensions_mut(&mut self) -> &mut Extensions {
+        &mut self.extensions
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprint_is_stable_and_payload_sensitive() {
+        let a = Fingerprint::of(b"{\"orderId\":1}");
+        assert_eq!(a, Fingerprint::of(b"{\"orderId\":1}"));
+        assert_ne!(a, Fingerprint::of(b"{\"orderId\":2}"));
+        assert_eq!(Fingerprint::from_u128(a.as_u128()), a);
+        assert_eq!(a.to_string().len(), 32);
+    }
+
+    #[test]
+    fn extensions_are_shared_by_clones() {
+        let mut ext = Extensions::default();
+        ext.insert(7_u64);
+        let copy = ext.clone();
+        assert_eq!(copy.get::<u64>(), Some(&7));
+        assert_eq!(copy.get::<u32>(), None);
+    }
+
+    #[test]
+    fn attempt_zero_reads_as_first() {
+        let delivery = Delivery::new(Source::new(Broker::InProcess, "q"), "x").with_attempt(0);
+        assert_eq!(delivery.attempt(), 1);
+    }
+}

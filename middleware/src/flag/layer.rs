@@ -1,0 +1,99 @@
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::service::FlagService;
+use crate::policy::FailurePolicy;
+
+/// Adds the [flag tier](crate::flag) in front of a service.
+///
+/// Configured in the user's terms: "retries of this route arrive within `retry_window`".
+/// The done marker is kept for `retry_window + max(retry_window / 10, 1 minute)`, so a retry
+/// at the very end of the window still finds it: 10 minutes → 11 minutes.
+#[derive(Clone, Debug)]
+pub struct FlagLayer<St> {
+    pub(super) store: St,
+    pub(super) lease: Duration,
+    pub(super) retention: Duration,
+    pub(super) in_flight_delay: Duration,
+    pub(super) on_store_error: FailurePolicy,
+}
+
+impl<St> FlagLayer<St> {
+    /// A flag tier on `store` for a route whose retries arrive within `retry_window`.
+    ///
+    /// Defaults: in-flight lease 30 s, retry delay for in-flight keys 1 s, fail open.
+    pub fn new(store: St, retry_window: Duration) -> Self {
+        FlagLayer {
+            store,
+            lease: Duration::from_secs(30),
+            retention: retention_for(retry_window),
+            in_flight_delay: Duration::from_secs(1),
+            on_store_error: FailurePolicy::FailOpen,
+        }
+    }
+
+    /// How long an in-flight claim lives if its holder never completes or releases it (the
+    /// consumer crashed). Longer than the slowest handler run, or a second delivery gets in
+    /// while the first still works (the record tier behind then catches it).
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Sets the done marker's retention directly instead of deriving it from the window.
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The delay suggested to the broker when the key is in flight elsewhere.
+    pub fn with_in_flight_delay(mut self, delay: Duration) -> Self {
+        self.in_flight_delay = delay;
+        self
+    }
+
+    /// What to do when the store fails (default [`FailurePolicy::FailOpen`]).
+    pub fn with_failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.on_store_error = policy;
+        self
+    }
+
+    /// The done marker's retention.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// The in-flight lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+}
+
+fn retention_for(retry_window: Duration) -> Duration {
+    retry_window + (retry_window / 10).max(Duration::from_secs(60))
+}
+
+impl<S, St: Clone> Layer<S> for FlagLayer<St> {
+    type Service = FlagService<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        FlagService {
+            inner,
+            config: self.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_is_the_window_plus_a_margin() {
+        let minutes = |m: u64| Duration::from_secs(m * 60);
+        assert_eq!(retention_for(minutes(10)), minutes(11));
+        assert_eq!(retention_for(minutes(120)), minutes(132));
+        assert_eq!(retention_for(Duration::from_secs(5)), Duration::from_secs(65));
+    }
+}

@@ -1,0 +1,81 @@
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::store::{Claim, FlagStore};
+use crate::envelope::{BusinessKey, Fingerprint};
+use crate::error::Error;
+use crate::memory::{Expiring, Shared};
+use crate::token::Token;
+
+#[derive(Clone, Copy, Debug)]
+enum Marker {
+    InFlight(Token),
+    Done(Fingerprint),
+}
+
+/// An in-memory [`FlagStore`] for tests and the quickstart.
+///
+/// Not shared between processes and lost when the process exits. Clones share one map.
+/// Expiry follows `tokio::time`, so tests with a paused clock can run out leases instantly.
+/// Expired markers are dropped when their key is touched and by a sweep as the map grows.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryFlagStore {
+    markers: Shared<Expiring<BusinessKey, Marker>>,
+}
+
+impl MemoryFlagStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forgets every marker, as a Redis `FLUSHALL` would.
+    pub fn clear(&self) {
+        self.markers.lock().clear();
+    }
+
+    fn swap_if_held(&self, key: &BusinessKey, token: Token, next: Option<(Marker, Duration)>) -> bool {
+        let mut markers = self.markers.lock();
+        let now = Instant::now();
+        match markers.get(key, now) {
+            Some(Marker::InFlight(held)) if *held == token => {
+                match next {
+                    Some((marker, ttl)) => markers.insert(key.clone(), marker, now + ttl),
+                    None => markers.remove(key),
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl FlagStore for MemoryFlagStore {
+    async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, Error> {
+        let mut markers = self.markers.lock();
+        let now = Instant::now();
+        Ok(match markers.get(key, now) {
+            Some(Marker::InFlight(_)) => Claim::InFlight,
+            Some(Marker::Done(fingerprint)) => Claim::Done(*fingerprint),
+            None => {
+                markers.insert(key.clone(), Marker::InFlight(token), now + lease);
+                Claim::Won
+            }
+        })
+    }
+
+    async fn complete(
+        &self,
+        key: &BusinessKey,
+        token: Token,
+        fingerprint: Fingerprint,
+        retention: Duration,
+    ) -> Result<bool, Error> {
+        Ok(self.swap_if_held(key, token, Some((Marker::Done(fingerprint), retention))))
+    }
+
+    async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, Error> {
+        Ok(self.swap_if_held(key, token, None))
+    }
+}

@@ -1,0 +1,350 @@
+//! Reading business keys (and entity ids, and states) from deliveries.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::envelope::{BusinessKey, Delivery};
+use crate::error::Error;
+
+/// The maximum key length, in bytes, unless configured otherwise.
+pub const DEFAULT_MAX_KEY_LEN: usize = 256;
+
+/// One field of a delivery that a key can be read from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyField {
+    /// The broker's key field: RocketMQ `KEYS`.
+    BrokerKey,
+    /// The broker's message id: AMQP `message_id`, RocketMQ `UNIQ_KEY`.
+    MessageId,
+    /// A named header (AMQP) or user property (RocketMQ).
+    Header(String),
+    /// A value in a JSON body, by JSON pointer (RFC 6901), e.g. `/orderId`. Strings are taken
+    /// as they are, numbers in their JSON spelling.
+    JsonPointer(String),
+}
+
+impl fmt::Display for KeyField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyField::BrokerKey => f.write_str("broker key"),
+            KeyField::MessageId => f.write_str("message id"),
+            KeyField::Header(name) => write!(f, "header {name:?}"),
+            KeyField::JsonPointer(pointer) => write!(f, "body pointer {pointer:?}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    Field(KeyField),
+}
+
+/// Reads a key from a delivery: one field, or a template that composes fields and literal
+/// text, e.g. `{/orderId}:deduct_stock` → `order_123:deduct_stock`.
+///
+/// Every failure is a typed [`Error`] that makes the delivery a dead letter: a key is never
+/// replaced by a random id, because a random id would make every redelivery look new.
+///
+/// Template syntax: `{message_id}`, `{broker_key}`, `{header:NAME}`, `{/json/pointer}`;
+/// `{{` and `}}` stand for literal braces. A template needs at least one field: a key made
+/// of literals alone would be the same for every message.
+///
+/// ```
+/// use oncely::{Broker, Delivery, KeyExtractor, Source};
+///
+/// let extractor = KeyExtractor::template("{/orderId}:deduct_stock").unwrap();
+/// let delivery = Delivery::new(Source::new(Broker::InProcess, "orders"), r#"{"orderId":"order_123"}"#);
+/// assert_eq!(extractor.extract(&delivery).unwrap().as_str(), "order_123:deduct_stock");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyExtractor {
+    parts: Arc<[Part]>,
+    max_len: usize,
+}
+
+impl KeyExtractor {
+    /// A key that is exactly one field's value.
+    pub fn field(field: KeyField) -> Self {
+        KeyExtractor {
+            parts: Arc::from([Part::Field(field)]),
+            max_len: DEFAULT_MAX_KEY_LEN,
+        }
+    }
+
+    /// The broker's key field (RocketMQ `KEYS`).
+    pub fn broker_key() -> Self {
+        Self::field(KeyField::BrokerKey)
+    }
+
+    /// The broker's message id (AMQP `message_id`, RocketMQ `UNIQ_KEY`).
+    ///
+    /// Catches producer retries that reuse the id, but not a second message with a new id
+    /// for the same business operation: prefer a business field where there is one.
+    pub fn message_id() -> Self {
+        Self::field(KeyField::MessageId)
+    }
+
+    /// A named header or user property.
+    pub fn header(name: impl Into<String>) -> Self {
+        Self::field(KeyField::Header(name.into()))
+    }
+
+    /// A value in a JSON body by JSON pointer, e.g. `/orderId` or `/order/id`.
+    pub fn json_pointer(pointer: impl Into<String>) -> Self {
+        Self::field(KeyField::JsonPointer(pointer.into()))
+    }
+
+    /// A template of fields and literal text; see the type's docs for the syntax.
+    pub fn template(template: &str) -> Result<Self, Error> {
+        let parts = parse_template(template).map_err(|reason| Error::InvalidTemplate {
+            template: template.to_owned(),
+            reason: reason.to_owned(),
+        })?;
+        Ok(KeyExtractor {
+            parts: parts.into(),
+            max_len: DEFAULT_MAX_KEY_LEN,
+        })
+    }
+
+    /// Appends `:namespace` to every key, so that one message id or order id can stand for
+    /// several operations (`order_123:deduct_stock`, `order_123:grant_points`).
+    pub fn with_namespace(self, namespace: &str) -> Self {
+        let mut parts = self.parts.to_vec();
+        parts.push(Part::Literal(format!(":{namespace}")));
+        KeyExtractor {
+            parts: parts.into(),
+            max_len: self.max_len,
+        }
+    }
+
+    /// Sets the maximum key length in bytes (default [`DEFAULT_MAX_KEY_LEN`]). Longer keys
+    /// are rejected with [`Error::KeyTooLong`], never truncated: truncation could merge keys.
+    pub fn with_max_len(mut self, max_len: usize) -> Self {
+        self.max_len = max_len;
+        self
+    }
+
+    /// Reads the key from `delivery`. The body is parsed as JSON at most once, and only when
+    /// a part needs it.
+    pub fn extract(&self, delivery: &Delivery) -> Result<BusinessKey, Error> {
+        let mut key = String::new();
+        let mut json: Option<Value> = None;
+        for part in self.parts.iter() {
+            match part {
+                Part::Literal(text) => key.push_str(text),
+                Part::Field(field) => {
+                    let value = read_field(field, delivery, &mut json)?;
+                    if value.is_empty() {
+                        return Err(Error::KeyEmpty {
+                            field: field.to_string(),
+                        });
+                    }
+                    key.push_str(&value);
+                }
+            }
+        }
+        if key.len() > self.max_len {
+            return Err(Error::KeyTooLong {
+                len: key.len(),
+                max: self.max_len,
+            });
+        }
+        Ok(BusinessKey::new(key))
+    }
+}
+
+fn read_field(field: &KeyField, delivery: &Delivery, json: &mut Option<Value>) -> Result<String, Error> {
+    let raw: Option<&Bytes> = match field {
+        KeyField::BrokerKey => delivery.broker_key(),
+        KeyField::Header(name) => delivery.headers().get(name),
+        KeyField::MessageId => {
+            return delivery
+                .message_id()
+                .map(str::to_owned)
+                .ok_or_else(|| Error::KeyMissing {
+                    field: field.to_string(),
+                });
+        }
+        KeyField::JsonPointer(pointer) => return read_pointer(pointer, delivery, json),
+    };
+    let raw = raw.ok_or_else(|| Error::KeyMissing {
+        field: field.to_string(),
+    })?;
+    std::str::from_utf8(raw)
+        .map(str::to_owned)
+        .map_err(|_| Error::KeyNotUtf8 {
+            field: field.to_string(),
+        })
+}
+
+fn read_pointer(pointer: &str, delivery: &Delivery, json: &mut Option<Value>) -> Result<String, Error> {
+    let document = match json {
+        Some(document) => document,
+        None => json
+            .insert(serde_json::from_slice(delivery.body()).map_err(|source| Error::BodyNotJson { source })?),
+    };
+    let not_scalar = |found| Error::KeyNotScalar {
+        pointer: pointer.to_owned(),
+        found,
+    };
+    match document.pointer(pointer) {
+        None | Some(Value::Null) => Err(Error::PointerNotFound {
+            pointer: pointer.to_owned(),
+        }),
+        Some(Value::String(text)) => Ok(text.clone()),
+        Some(Value::Number(number)) => Ok(number.to_string()),
+        Some(Value::Bool(_)) => Err(not_scalar("a boolean")),
+        Some(Value::Array(_)) => Err(not_scalar("an array")),
+        Some(Value::Object(_)) => Err(not_scalar("an object")),
+    }
+}
+
+fn parse_template(template: &str) -> Result<Vec<Part>, &'static str> {
+    let mut parts = Vec::new();
+    let mut literal = String::new();
+    let mut chars = template.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '{' if chars.peek() == Some(&'{') => {
+                chars.next();
+                literal.push('{');
+            }
+            '}' if chars.peek() == Some(&'}') => {
+                chars.next();
+                literal.push('}');
+            }
+            '}' => return Err("unmatched `}` (write `}}` for a literal brace)"),
+            '{' => {
+                let mut name = String::new();
+                loop {
+                    match chars.next() {
+                        Some('}') => break,
+                        Some(c) => name.push(c),
+                        None => return Err("unclosed `{`"),
+                    }
+                }
+                if !literal.is_empty() {
+                    parts.push(Part::Literal(std::mem::take(&mut literal)));
+                }
+                parts.push(Part::Field(parse_placeholder(&name)?));
+            }
+            c => literal.push(c),
+        }
+    }
+    if !literal.is_empty() {
+        parts.push(Part::Literal(literal));
+    }
+    if !parts.iter().any(|part| matches!(part, Part::Field(_))) {
+        return Err("no field in the template: every message would share one key");
+    }
+    Ok(parts)
+}
+
+fn parse_placeholder(name: &str) -> Result<KeyField, &'static str> {
+    match name {
+        "message_id" => Ok(KeyField::MessageId),
+        "broker_key" => Ok(KeyField::BrokerKey),
+        pointer if pointer.starts_with('/') => Ok(KeyField::JsonPointer(pointer.to_owned())),
+        other => match other.strip_prefix("header:") {
+            Some(header) if !header.is_empty() => Ok(KeyField::Header(header.to_owned())),
+            _ => Err("unknown placeholder: use {message_id}, {broker_key}, {header:NAME} or {/json/pointer}"),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{Broker, Source};
+
+    fn delivery(body: &'static [u8]) -> Delivery {
+        Delivery::new(Source::new(Broker::InProcess, "test"), body)
+    }
+
+    #[test]
+    fn reads_each_field_kind() {
+        let d = delivery(br#"{"order":{"id":42},"sku":"A-1"}"#)
+            .with_message_id("m-1")
+            .with_broker_key("k-1")
+            .with_header("x-biz", "h-1");
+        let key = |e: KeyExtractor| e.extract(&d).unwrap().to_string();
+        assert_eq!(key(KeyExtractor::message_id()), "m-1");
+        assert_eq!(key(KeyExtractor::broker_key()), "k-1");
+        assert_eq!(key(KeyExtractor::header("x-biz")), "h-1");
+        assert_eq!(key(KeyExtractor::json_pointer("/order/id")), "42");
+        assert_eq!(
+            key(KeyExtractor::json_pointer("/sku").with_namespace("deduct_stock")),
+            "A-1:deduct_stock"
+        );
+        let composed = KeyExtractor::template("order_{/order/id}:{header:x-biz}:{{x}}").unwrap();
+        assert_eq!(key(composed), "order_42:h-1:{x}");
+    }
+
+    #[test]
+    fn every_error_class_is_typed() {
+        let plain = delivery(b"not json");
+        assert!(matches!(
+            KeyExtractor::message_id().extract(&plain),
+            Err(Error::KeyMissing { .. })
+        ));
+        assert!(matches!(
+            KeyExtractor::header("x").extract(&plain.clone().with_header("x", "")),
+            Err(Error::KeyEmpty { .. })
+        ));
+        assert!(matches!(
+            KeyExtractor::broker_key().extract(&plain.clone().with_broker_key(&b"\xff\xfe"[..])),
+            Err(Error::KeyNotUtf8 { .. })
+        ));
+        assert!(matches!(
+            KeyExtractor::json_pointer("/id").extract(&plain),
+            Err(Error::BodyNotJson { .. })
+        ));
+        assert!(matches!(
+            KeyExtractor::json_pointer("/id").extract(&delivery(b"\xff{}")),
+            Err(Error::BodyNotJson { .. })
+        ));
+        let json = delivery(br#"{"id":null,"flag":true,"list":[1]}"#);
+        for pointer in ["/missing", "/id"] {
+            assert!(matches!(
+                KeyExtractor::json_pointer(pointer).extract(&json),
+                Err(Error::PointerNotFound { .. })
+            ));
+        }
+        for pointer in ["/flag", "/list", ""] {
+            assert!(matches!(
+                KeyExtractor::json_pointer(pointer).extract(&json),
+                Err(Error::KeyNotScalar { .. })
+            ));
+        }
+        let long = plain.clone().with_message_id("x".repeat(DEFAULT_MAX_KEY_LEN + 1));
+        assert!(matches!(
+            KeyExtractor::message_id().extract(&long),
+            Err(Error::KeyTooLong { len: 257, max: 256 })
+        ));
+        assert!(
+            KeyExtractor::message_id()
+                .with_max_len(300)
+                .extract(&long)
+                .is_ok()
+        );
+        for error in [
+            KeyExtractor::message_id().extract(&plain).unwrap_err(),
+            KeyExtractor::json_pointer("/id").extract(&plain).unwrap_err(),
+        ] {
+            assert!(error.is_poison() && !error.is_retryable());
+        }
+    }
+
+    #[test]
+    fn bad_templates_are_config_errors() {
+        for template in ["plain", "{", "}", "{nope}", "{header:}", ""] {
+            let error = KeyExtractor::template(template).unwrap_err();
+            assert!(error.is_config(), "{template}: {error}");
+        }
+    }
+}

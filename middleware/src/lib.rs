@@ -1,0 +1,83 @@
+//! # oncely
+//!
+//! Effectively exactly-once consumption for RabbitMQ and RocketMQ consumers whose handlers
+//! move money or stock.
+//!
+//! Brokers deliver at least once: producer retries, lost acks, consumer crashes and
+//! rebalances all bring a message back. oncely wraps the handler in a stack of
+//! [tower](https://docs.rs/tower) layers, each catching duplicates at a different cost and
+//! durability, and answers every delivery with one [`Outcome`] that the adapter maps to the
+//! broker:
+//!
+//! ```text
+//! delivery ─▶ Route (business key) ─▶ lock ─▶ state guard ─▶ flag ─▶ record ─▶ handler
+//!                  │                                                              │
+//!                  └──────────────────────── Outcome ◀────────────────────────────┘
+//! ```
+//!
+//! | outcome | broker action |
+//! |---|---|
+//! | [`Outcome::Processed`] | ack |
+//! | [`Outcome::Duplicate`] | ack |
+//! | [`Outcome::Stale`] | ack |
+//! | [`Outcome::RetryLater`] | retry later, never ack |
+//! | [`Outcome::DeadLetter`] | dead-letter with the reason |
+//!
+//! The tiers, composable in any subset and order per route:
+//! - [`state_guard`]: applies an entity's events only along declared transitions.
+//! - [`flag`]: a fast expiring "in flight / done" marker per key.
+//! - [`lock`]: mutual exclusion per entity, with a watchdog and a fencing token.
+//! - [`record`]: the durable consumption record, the final word on "was this processed".
+//!
+//! Each tier's docs say what it guarantees alone and what it relies on from the tiers
+//! behind it. Backends: in-memory ones (feature `memory`, on by default) for tests and the
+//! quickstart.
+//!
+//! ```
+//! use std::time::Duration;
+//! use oncely::{handler_fn, Broker, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier};
+//! use oncely::flag::{FlagLayer, MemoryFlagStore};
+//! use oncely::record::{MemoryRecordStore, RecordLayer};
+//! use tower::ServiceBuilder;
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let stack = ServiceBuilder::new()
+//!     .layer(FlagLayer::new(MemoryFlagStore::new(), Duration::from_secs(600)))
+//!     .layer(RecordLayer::new(MemoryRecordStore::new()))
+//!     .service(handler_fn(|envelope: Envelope| async move {
+//!         println!("deduct stock for {}", envelope.key());
+//!         Ok::<(), HandlerError>(())
+//!     }));
+//! let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+//!
+//! let delivery = || Delivery::new(Source::new(Broker::InProcess, "orders"), r#"{"orderId":"o-1"}"#);
+//! assert_eq!(route.handle(delivery()).await, Outcome::Processed);
+//! assert_eq!(route.handle(delivery()).await, Outcome::Duplicate { tier: Tier::Flag });
+//! # }
+//! ```
+
+mod envelope;
+mod error;
+pub mod flag;
+mod handler;
+mod key;
+pub mod lock;
+#[cfg(feature = "memory")]
+mod memory;
+mod outcome;
+mod policy;
+pub mod record;
+mod route;
+mod service;
+pub mod state_guard;
+mod token;
+
+pub use envelope::{Broker, BusinessKey, Delivery, Envelope, Extensions, Fingerprint, Headers, Source};
+pub use error::{BoxError, Error};
+pub use handler::{HandlerError, HandlerFn, handler_fn};
+pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
+pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLater, RetryReason, Tier};
+pub use policy::FailurePolicy;
+pub use route::{DEFAULT_MAX_ATTEMPTS, Route};
+pub use service::BoxFuture;
+pub use token::Token;

@@ -1,0 +1,75 @@
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::service::LockService;
+use crate::key::KeyExtractor;
+use crate::policy::FailurePolicy;
+
+/// Adds the [lock tier](crate::lock) in front of a service.
+#[derive(Clone, Debug)]
+pub struct LockLayer<St> {
+    pub(super) store: St,
+    pub(super) entity: KeyExtractor,
+    pub(super) lease: Duration,
+    pub(super) renew_every: Duration,
+    pub(super) busy_delay: Duration,
+    pub(super) on_store_error: FailurePolicy,
+}
+
+impl<St> LockLayer<St> {
+    /// A lock tier on `store`, locking the entity that `entity` reads from each delivery.
+    ///
+    /// Defaults: lease 30 s renewed every 10 s, retry delay when busy 1 s, fail closed.
+    pub fn new(store: St, entity: KeyExtractor) -> Self {
+        let lease = Duration::from_secs(30);
+        LockLayer {
+            store,
+            entity,
+            lease,
+            renew_every: lease / 3,
+            busy_delay: Duration::from_secs(1),
+            on_store_error: FailurePolicy::FailClosed,
+        }
+    }
+
+    /// Sets the lease, and renewal at a third of it. A short lease frees the entity soon
+    /// after a crash; the watchdog keeps it held for as long as the handler runs.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self.renew_every = lease / 3;
+        self
+    }
+
+    /// Sets how often the watchdog renews the lease (default a third of the lease). Renewal
+    /// must succeed at least once per lease; a failed renewal is retried at this pace until
+    /// the lease would run out, and then the lease counts as lost.
+    pub fn with_renew_every(mut self, every: Duration) -> Self {
+        self.renew_every = every;
+        self
+    }
+
+    /// The delay suggested to the broker when the entity is locked by another delivery.
+    pub fn with_busy_delay(mut self, delay: Duration) -> Self {
+        self.busy_delay = delay;
+        self
+    }
+
+    /// What to do when the store fails (default [`FailurePolicy::FailClosed`]). Failing open
+    /// runs the handler without mutual exclusion.
+    pub fn with_failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.on_store_error = policy;
+        self
+    }
+}
+
+impl<S, St: Clone> Layer<S> for LockLayer<St> {
+    type Service = LockService<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LockService {
+            inner,
+            config: self.clone(),
+        }
+    }
+}

@@ -1,0 +1,48 @@
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::service::RecordService;
+
+/// Adds the [record tier](crate::record) in front of a service.
+#[derive(Clone, Debug)]
+pub struct RecordLayer<St> {
+    pub(super) store: St,
+    pub(super) lease: Duration,
+    pub(super) in_flight_delay: Duration,
+}
+
+impl<St> RecordLayer<St> {
+    /// A record tier on `store`. Defaults: lease 60 s, retry delay for in-flight keys 1 s.
+    pub fn new(store: St) -> Self {
+        RecordLayer {
+            store,
+            lease: Duration::from_secs(60),
+            in_flight_delay: Duration::from_secs(1),
+        }
+    }
+
+    /// How long a `PROCESSING` record blocks other deliveries of its key before one may take
+    /// it over. Make it longer than the slowest handler run.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The delay suggested to the broker when the key is in flight elsewhere.
+    pub fn with_in_flight_delay(mut self, delay: Duration) -> Self {
+        self.in_flight_delay = delay;
+        self
+    }
+}
+
+impl<S, St: Clone> Layer<S> for RecordLayer<St> {
+    type Service = RecordService<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RecordService {
+            inner,
+            config: self.clone(),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use tokio::time::Instant;
+
+use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
+use crate::envelope::{BusinessKey, Fingerprint};
+use crate::error::Error;
+use crate::memory::Shared;
+
+#[derive(Debug)]
+struct Entry {
+    record: ConsumptionRecord,
+    lease_until: Instant,
+}
+
+/// An in-memory [`RecordStore`] for tests and the quickstart.
+///
+/// Not durable and not shared between processes; clones share one table. Records are kept
+/// for the life of the store (there is no retention purge), so memory grows with the number
+/// of distinct keys. Leases follow `tokio::time`.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryRecordStore {
+    records: Shared<HashMap<BusinessKey, Entry>>,
+}
+
+impl MemoryRecordStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many records are in each status.
+    pub fn count_by_status(&self) -> HashMap<RecordStatus, usize> {
+        let mut counts = HashMap::new();
+        for entry in self.records.lock().values() {
+            *counts.entry(entry.record.status).or_default() += 1;
+        }
+        counts
+    }
+
+    fn settle(&self, key: &BusinessKey, attempt: u32, status: RecordStatus, error: Option<&str>) -> bool {
+        let mut records = self.records.lock();
+        match records.get_mut(key) {
+            Some(entry)
+                if entry.record.status == RecordStatus::Processing && entry.record.attempts == attempt =>
+            {
+                entry.record.status = status;
+                if let Some(error) = error {
+                    entry.record.last_error = Some(error.to_owned());
+                }
+                entry.record.updated_at = SystemTime::now();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl RecordStore for MemoryRecordStore {
+    async fn begin(
+        &self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> Result<Begin, Error> {
+        let mut records = self.records.lock();
+        let now = Instant::now();
+        let Some(entry) = records.get_mut(key) else {
+            let created_at = SystemTime::now();
+            let record = ConsumptionRecord {
+                key: key.clone(),
+                status: RecordStatus::Processing,
+                attempts: 1,
+                last_error: None,
+                fingerprint,
+                created_at,
+                updated_at: created_at,
+            };
+            records.insert(
+                key.clone(),
+                Entry {
+                    record,
+                    lease_until: now + lease,
+                },
+            );
+            return Ok(Begin::Started { attempt: 1 });
+        };
+        let record = &mut entry.record;
+        if record.fingerprint != fingerprint {
+            return Ok(Begin::Conflict {
+                recorded: record.fingerprint,
+            });
+        }
+        match record.status {
+            RecordStatus::Success => Ok(Begin::Done),
+            RecordStatus::Processing if entry.lease_until > now => Ok(Begin::InProgress),
+            RecordStatus::Processing | RecordStatus::Failure => {
+                record.status = RecordStatus::Processing;
+                record.attempts += 1;
+                record.updated_at = SystemTime::now();
+                entry.lease_until = now + lease;
+                Ok(Begin::Started {
+                    attempt: record.attempts,
+                })
+            }
+        }
+    }
+
+    async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, Error> {
+        Ok(self.settle(key, attempt, RecordStatus::Success, None))
+    }
+
+    async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, Error> {
+        Ok(self.settle(key, attempt, RecordStatus::Failure, Some(error)))
+    }
+
+    async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, Error> {
+        Ok(self.records.lock().get(key).map(|entry| entry.record.clone()))
+    }
+}

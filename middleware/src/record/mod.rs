@@ -1,0 +1,39 @@
+//! The record tier: the durable consumption record per business key.
+//!
+//! Before the tiers behind run, the tier *begins* the key's record:
+//!
+//! | the key's record | outcome |
+//! |---|---|
+//! | none | inserted as `PROCESSING` with a lease: the tiers behind run |
+//! | another payload's fingerprint | [`DeadLetter`](crate::Outcome::DeadLetter): key reused with a different payload |
+//! | `SUCCESS` | [`Duplicate`](crate::Outcome::Duplicate) from [`Tier::Record`](crate::Tier::Record) |
+//! | `PROCESSING`, lease running | [`RetryLater`](crate::Outcome::RetryLater): in flight elsewhere |
+//! | `PROCESSING` past its lease, or `FAILURE` | taken over (attempt + 1): the tiers behind run |
+//!
+//! Afterwards a settled answer (processed, duplicate, stale) marks the record `SUCCESS`; any
+//! other answer marks it `FAILURE` with the error text, so the retry takes it over. Only the
+//! attempt that began the record may settle it: an attempt that was taken over after its
+//! lease ran out changes nothing.
+//!
+//! # What it guarantees alone, and what it relies on
+//! The record is the final word on "was this key processed". With a backend whose record
+//! and business write commit together (the PostgreSQL tier's transactional mode), every
+//! effect is applied exactly once. With separate steps, as here, a crash between the
+//! handler's effect and `SUCCESS` leaves the record `PROCESSING`: after the lease a retry
+//! takes over and the handler runs again, unless a reconciler or an idempotent handler
+//! resolves it. The lease must therefore outlast the slowest handler run.
+//!
+//! The record tier always fails closed: when its store is down, the outcome is
+//! [`RetryLater`](crate::Outcome::RetryLater), because no tier stands behind it.
+
+mod layer;
+#[cfg(feature = "memory")]
+mod memory;
+mod service;
+mod store;
+
+pub use layer::RecordLayer;
+#[cfg(feature = "memory")]
+pub use memory::MemoryRecordStore;
+pub use service::RecordService;
+pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

@@ -1,0 +1,105 @@
+use std::fmt;
+use std::future::Future;
+use std::time::{Duration, SystemTime};
+
+use crate::envelope::{BusinessKey, Fingerprint};
+use crate::error::Error;
+
+/// The status of a consumption record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecordStatus {
+    /// An attempt is running (or crashed; its lease tells which).
+    Processing,
+    /// The key is done for good.
+    Success,
+    /// The last attempt failed; the next delivery takes it over.
+    Failure,
+}
+
+impl RecordStatus {
+    /// The status as stored: `PROCESSING`, `SUCCESS` or `FAILURE`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordStatus::Processing => "PROCESSING",
+            RecordStatus::Success => "SUCCESS",
+            RecordStatus::Failure => "FAILURE",
+        }
+    }
+}
+
+impl fmt::Display for RecordStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One key's consumption record, as a store reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConsumptionRecord {
+    /// The business key.
+    pub key: BusinessKey,
+    /// Where the key stands.
+    pub status: RecordStatus,
+    /// How many attempts have begun, the first included.
+    pub attempts: u32,
+    /// The last failure's text, if an attempt failed.
+    pub last_error: Option<String>,
+    /// The fingerprint of the payload the key was first seen with.
+    pub fingerprint: Fingerprint,
+    /// When the record was created.
+    pub created_at: SystemTime,
+    /// When the record last changed.
+    pub updated_at: SystemTime,
+}
+
+/// What [`RecordStore::begin`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Begin {
+    /// The caller owns attempt number `attempt` (1 for a new record); settle it with that
+    /// number.
+    Started {
+        /// The attempt's number.
+        attempt: u32,
+    },
+    /// Another attempt is `PROCESSING` within its lease.
+    InProgress,
+    /// The key is `SUCCESS`.
+    Done,
+    /// The key was recorded with another payload's fingerprint.
+    Conflict {
+        /// The fingerprint on record.
+        recorded: Fingerprint,
+    },
+}
+
+/// A backend for the [record tier](crate::record).
+///
+/// `begin` must be atomic per key: of concurrent begins, at most one gets `Started` for a
+/// given attempt. `succeed` and `fail` must act only when the record is still `PROCESSING`
+/// under the given attempt number.
+pub trait RecordStore: Clone + Send + Sync + 'static {
+    /// Begins an attempt for `key` carrying `fingerprint`, with a lease of `lease`; see
+    /// [`Begin`] for the answers and the [module docs](crate::record) for the rules.
+    fn begin(
+        &self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Begin, Error>> + Send;
+
+    /// Marks attempt `attempt` of `key` `SUCCESS`. False when that attempt no longer owns it.
+    fn succeed(&self, key: &BusinessKey, attempt: u32) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// Marks attempt `attempt` of `key` `FAILURE` with `error`. False when that attempt no
+    /// longer owns it.
+    fn fail(
+        &self,
+        key: &BusinessKey,
+        attempt: u32,
+        error: &str,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// The record of `key`, if any.
+    fn get(&self, key: &BusinessKey)
+    -> impl Future<Output = Result<Option<ConsumptionRecord>, Error>> + Send;
+}

@@ -1,0 +1,36 @@
+use std::collections::HashMap;
+
+use super::store::StateStore;
+use crate::error::Error;
+use crate::memory::Shared;
+
+/// An in-memory [`StateStore`] for tests and the quickstart.
+///
+/// Not durable and not shared between processes; clones share one table, which grows with
+/// the number of entities.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryStateStore {
+    states: Shared<HashMap<String, String>>,
+}
+
+impl MemoryStateStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl StateStore for MemoryStateStore {
+    async fn current(&self, entity: &str) -> Result<Option<String>, Error> {
+        Ok(self.states.lock().get(entity).cloned())
+    }
+
+    async fn compare_and_set(&self, entity: &str, expected: Option<&str>, next: &str) -> Result<bool, Error> {
+        let mut states = self.states.lock();
+        if states.get(entity).map(String::as_str) != expected {
+            return Ok(false);
+        }
+        states.insert(entity.to_owned(), next.to_owned());
+        Ok(true)
+    }
+}

@@ -1,0 +1,18 @@
+use std::future::Future;
+
+use crate::error::Error;
+
+/// A backend for the [state-machine guard](crate::state_guard): each entity's current state.
+pub trait StateStore: Clone + Send + Sync + 'static {
+    /// The current state of `entity`, `None` when it has none yet.
+    fn current(&self, entity: &str) -> impl Future<Output = Result<Option<String>, Error>> + Send;
+
+    /// Sets `entity` to `next` if its state is still `expected` (`None`: no state), as one
+    /// atomic step. False, changing nothing, when the state was something else.
+    fn compare_and_set(
+        &self,
+        entity: &str,
+        expected: Option<&str>,
+        next: &str,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+}

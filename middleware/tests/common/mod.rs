@@ -1,0 +1,104 @@
+//! Helpers shared by the tier tests: deliveries and a handler that counts its effects.
+#![allow(dead_code, unreachable_pub)] // each test binary uses its own subset
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use oncely::{Broker, Delivery, Envelope, HandlerError, Outcome, Source, handler_fn};
+use tower::Service;
+
+/// A delivery of `body` from an in-process queue.
+pub fn delivery(body: impl Into<String>) -> Delivery {
+    Delivery::new(Source::new(Broker::InProcess, "test"), body.into())
+}
+
+/// A JSON order event `{"orderId": id, "sku": sku}`.
+pub fn order(id: &str, sku: &str) -> Delivery {
+    delivery(format!(r#"{{"orderId":"{id}","sku":"{sku}"}}"#))
+}
+
+/// What a handler did: effects per business key, and how many ran at once at most.
+#[derive(Clone, Default)]
+pub struct Effects {
+    per_key: Arc<Mutex<HashMap<String, usize>>>,
+    running: Arc<AtomicUsize>,
+    max_running: Arc<AtomicUsize>,
+}
+
+impl Effects {
+    pub fn of(&self, key: &str) -> usize {
+        self.per_key.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    pub fn total(&self) -> usize {
+        self.per_key.lock().unwrap().values().sum()
+    }
+
+    pub fn max_concurrency(&self) -> usize {
+        self.max_running.load(Ordering::SeqCst)
+    }
+
+    /// A handler that takes `work` to apply one effect for the envelope's key, and fails with
+    /// a transient error for the first `failures` calls.
+    pub fn handler(
+        &self,
+        work: Duration,
+        failures: usize,
+    ) -> impl Service<Envelope, Response = Outcome, Error = Infallible, Future: Send> + Clone + Send + 'static
+    {
+        let effects = self.clone();
+        let failures_left = Arc::new(AtomicUsize::new(failures));
+        handler_fn(move |envelope: Envelope| {
+            let effects = effects.clone();
+            let failures_left = failures_left.clone();
+            async move {
+                let now = effects.running.fetch_add(1, Ordering::SeqCst) + 1;
+                effects.max_running.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(work).await;
+                effects.running.fetch_sub(1, Ordering::SeqCst);
+                let fail = failures_left
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+                    .is_ok();
+                if fail {
+                    return Err(HandlerError::transient("database busy"));
+                }
+                *effects
+                    .per_key
+                    .lock()
+                    .unwrap()
+                    .entry(envelope.key().to_string())
+                    .or_default() += 1;
+                Ok(())
+            }
+        })
+    }
+}
+
+/// Runs `deliveries` through `route` on concurrent tasks and returns their outcomes.
+pub async fn handle_concurrently<S>(route: &oncely::Route<S>, deliveries: Vec<Delivery>) -> Vec<Outcome>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let tasks: Vec<_> = deliveries
+        .into_iter()
+        .map(|delivery| {
+            let route = route.clone();
+            tokio::spawn(async move { route.handle(delivery).await })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.unwrap());
+    }
+    outcomes
+}
+
+/// How many outcomes equal `expected`.
+pub fn count(outcomes: &[Outcome], expected: impl Fn(&Outcome) -> bool) -> usize {
+    outcomes.iter().filter(|outcome| expected(outcome)).count()
+}

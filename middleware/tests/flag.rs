@@ -1,0 +1,171 @@
+//! The flag tier on its in-memory store.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Effects, count, handle_concurrently, order};
+use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
+use oncely::record::{MemoryRecordStore, RecordLayer};
+use oncely::{
+    BusinessKey, DeadLetterReason, Error, FailurePolicy, Fingerprint, KeyExtractor, Outcome, RetryReason,
+    Route, Tier, Token,
+};
+use tower::ServiceBuilder;
+
+const WINDOW: Duration = Duration::from_secs(600);
+
+fn route(
+    layer: FlagLayer<MemoryFlagStore>,
+    effects: &Effects,
+    work: Duration,
+    failures: usize,
+) -> Route<
+    impl tower::Service<oncely::Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + 'static,
+> {
+    let stack = ServiceBuilder::new()
+        .layer(layer)
+        .service(effects.handler(work, failures));
+    Route::new("test", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_concurrent_deliveries_of_one_key_run_the_handler_once() {
+    let effects = Effects::default();
+    let route = route(
+        FlagLayer::new(MemoryFlagStore::new(), WINDOW),
+        &effects,
+        Duration::from_millis(50),
+        0,
+    );
+    let outcomes = handle_concurrently(&route, vec![order("o-1", "A"); 32]).await;
+
+    assert_eq!(count(&outcomes, |o| *o == Outcome::Processed), 1);
+    assert_eq!(
+        count(&outcomes, |o| o.retry_reason()
+            == Some(RetryReason::InFlight(Tier::Flag))),
+        31
+    );
+    assert_eq!(effects.of("o-1"), 1);
+    assert_eq!(
+        route.handle(order("o-1", "A")).await,
+        Outcome::Duplicate { tier: Tier::Flag }
+    );
+}
+
+#[tokio::test]
+async fn a_failed_handler_releases_the_claim_and_the_redelivery_is_processed_once() {
+    let effects = Effects::default();
+    let route = route(
+        FlagLayer::new(MemoryFlagStore::new(), WINDOW),
+        &effects,
+        Duration::ZERO,
+        1,
+    );
+
+    let first = route.handle(order("o-1", "A")).await;
+    assert_eq!(first.retry_reason(), Some(RetryReason::HandlerFailed));
+    assert_eq!(effects.of("o-1"), 0);
+    assert_eq!(
+        route.handle(order("o-1", "A").with_attempt(2)).await,
+        Outcome::Processed
+    );
+    assert_eq!(
+        route.handle(order("o-1", "A").with_attempt(3)).await,
+        Outcome::Duplicate { tier: Tier::Flag }
+    );
+    assert_eq!(effects.of("o-1"), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_payload_is_dead_lettered() {
+    let effects = Effects::default();
+    let route = route(
+        FlagLayer::new(MemoryFlagStore::new(), WINDOW),
+        &effects,
+        Duration::ZERO,
+        0,
+    );
+    assert_eq!(route.handle(order("o-1", "A")).await, Outcome::Processed);
+    let reused = route.handle(order("o-1", "B")).await;
+    assert_eq!(
+        reused.dead_letter_reason(),
+        Some(DeadLetterReason::PayloadMismatch)
+    );
+    assert_eq!(effects.total(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_runs_out_lets_a_new_claim_in_and_the_record_behind_catches_it() {
+    let flag = FlagLayer::new(MemoryFlagStore::new(), WINDOW).with_lease(Duration::from_secs(1));
+
+    // The flag alone: a handler slower than the lease lets a second delivery in.
+    let effects = Effects::default();
+    let alone = route(flag.clone(), &effects, Duration::from_secs(5), 0);
+    let slow = tokio::spawn({
+        let alone = alone.clone();
+        async move { alone.handle(order("o-1", "A")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(alone.handle(order("o-1", "A")).await, Outcome::Processed);
+    assert_eq!(slow.await.unwrap(), Outcome::Processed);
+    assert_eq!(effects.of("o-1"), 2, "the documented limit of the flag alone");
+
+    // With the record behind it, the second delivery waits instead.
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(flag)
+        .layer(RecordLayer::new(MemoryRecordStore::new()))
+        .service(effects.handler(Duration::from_secs(5), 0));
+    let guarded = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let slow = tokio::spawn({
+        let guarded = guarded.clone();
+        async move { guarded.handle(order("o-1", "A")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second = guarded.handle(order("o-1", "A")).await;
+    assert_eq!(second.retry_reason(), Some(RetryReason::InFlight(Tier::Record)));
+    assert_eq!(slow.await.unwrap(), Outcome::Processed);
+    assert_eq!(effects.of("o-1"), 1);
+}
+
+/// A flag store whose every call fails, as an unreachable Redis would.
+#[derive(Clone)]
+struct Unreachable;
+
+impl FlagStore for Unreachable {
+    async fn claim(&self, _: &BusinessKey, _: Token, _: Duration) -> Result<Claim, Error> {
+        Err(Error::store(Tier::Flag, "connection refused"))
+    }
+    async fn complete(&self, _: &BusinessKey, _: Token, _: Fingerprint, _: Duration) -> Result<bool, Error> {
+        Err(Error::store(Tier::Flag, "connection refused"))
+    }
+    async fn release(&self, _: &BusinessKey, _: Token) -> Result<bool, Error> {
+        Err(Error::store(Tier::Flag, "connection refused"))
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_fails_open_by_default_and_closed_when_configured() {
+    let effects = Effects::default();
+    let open = ServiceBuilder::new()
+        .layer(FlagLayer::new(Unreachable, WINDOW))
+        .service(effects.handler(Duration::ZERO, 0));
+    let open = Route::new("test", KeyExtractor::json_pointer("/orderId"), open);
+    assert_eq!(open.handle(order("o-1", "A")).await, Outcome::Processed);
+
+    let closed = ServiceBuilder::new()
+        .layer(FlagLayer::new(Unreachable, WINDOW).with_failure_policy(FailurePolicy::FailClosed))
+        .service(effects.handler(Duration::ZERO, 0));
+    let closed = Route::new("test", KeyExtractor::json_pointer("/orderId"), closed);
+    let outcome = closed.handle(order("o-2", "A")).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::StoreUnavailable(Tier::Flag))
+    );
+    assert_eq!(effects.of("o-2"), 0);
+}

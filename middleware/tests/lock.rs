@@ -1,0 +1,153 @@
+//! The lock tier on its in-memory store.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Effects, count, handle_concurrently, order};
+use oncely::lock::{LockLayer, LockLease, LockStore, MemoryLockStore};
+use oncely::{
+    DeadLetterReason, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Token, handler_fn,
+};
+use tower::ServiceBuilder;
+
+fn sku() -> KeyExtractor {
+    KeyExtractor::json_pointer("/sku")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_entity_is_handled_by_one_delivery_at_a_time() {
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(MemoryLockStore::new(), sku()))
+        .service(effects.handler(Duration::from_millis(20), 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let deliveries = (0..32).map(|i| order(&format!("o-{i}"), "sku-1")).collect();
+    let outcomes = handle_concurrently(&route, deliveries).await;
+
+    assert_eq!(effects.max_concurrency(), 1);
+    let processed = count(&outcomes, |o| *o == Outcome::Processed);
+    let busy = count(&outcomes, |o| o.retry_reason() == Some(RetryReason::LockBusy));
+    assert!(processed >= 1);
+    assert_eq!(processed + busy, 32);
+    assert_eq!(effects.total(), processed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_watchdog_keeps_the_lock_while_a_long_handler_runs() {
+    let store = MemoryLockStore::new();
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store.clone(), sku()).with_lease(Duration::from_secs(3)))
+        .service(effects.handler(Duration::from_secs(10), 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let long = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("o-1", "sku-1")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(
+        store
+            .acquire("sku-1", Token::random(), Duration::from_secs(3))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(long.await.unwrap(), Outcome::Processed);
+    assert!(
+        store
+            .acquire("sku-1", Token::random(), Duration::from_secs(3))
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_lease_tells_the_handler_and_is_never_acked() {
+    let store = MemoryLockStore::new();
+    let handler = handler_fn(|envelope: Envelope| async move {
+        let lease = envelope
+            .extensions()
+            .get::<LockLease>()
+            .expect("the lock hands its lease on")
+            .clone();
+        tokio::select! {
+            () = lease.lost() => Err(HandlerError::transient("stopped: lease lost")),
+            () = tokio::time::sleep(Duration::from_secs(60)) => Ok(()),
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store.clone(), sku()).with_lease(Duration::from_secs(3)))
+        .service(handler);
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let running = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("o-1", "sku-1")).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.force_release("sku-1");
+    let outcome = tokio::time::timeout(Duration::from_secs(10), running)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_ignores_the_lost_lease_still_gets_retry_later() {
+    let store = MemoryLockStore::new();
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store.clone(), sku()).with_lease(Duration::from_secs(3)))
+        .service(effects.handler(Duration::from_secs(5), 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let running = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("o-1", "sku-1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.force_release("sku-1");
+    let outcome = running.await.unwrap();
+    assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
+}
+
+#[tokio::test]
+async fn fencing_tokens_grow_and_reach_the_handler() {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handler = handler_fn({
+        let seen = seen.clone();
+        move |envelope: Envelope| {
+            let token = envelope
+                .extensions()
+                .get::<LockLease>()
+                .map(LockLease::fencing_token);
+            seen.lock().unwrap().push(token);
+            async { Ok::<(), HandlerError>(()) }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(MemoryLockStore::new(), sku()))
+        .service(handler);
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    for i in 0..3 {
+        assert_eq!(
+            route.handle(order(&format!("o-{i}"), "sku-1")).await,
+            Outcome::Processed
+        );
+    }
+    let seen: Vec<u64> = seen.lock().unwrap().iter().map(|token| token.unwrap()).collect();
+    assert!(seen.windows(2).all(|pair| pair[0] < pair[1]), "{seen:?}");
+}
+
+#[tokio::test]
+async fn a_delivery_without_an_entity_id_is_dead_lettered() {
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(MemoryLockStore::new(), sku()))
+        .service(effects.handler(Duration::ZERO, 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcome = route.handle(common::delivery(r#"{"orderId":"o-1"}"#)).await;
+    assert_eq!(outcome.dead_letter_reason(), Some(DeadLetterReason::InvalidKey));
+    assert_eq!(effects.total(), 0);
+}
