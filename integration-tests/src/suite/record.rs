@@ -1,0 +1,139 @@
+//! What every [`RecordStore`] must do.
+
+use std::time::Duration;
+
+use oncely::record::{Begin, RecordStatus, RecordStore};
+use oncely::{BusinessKey, Fingerprint};
+
+use crate::unique;
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn key(name: &str) -> BusinessKey {
+    BusinessKey::new(unique(name))
+}
+
+/// Of 32 concurrent begins of a new key, exactly one starts attempt 1.
+pub async fn one_of_many_concurrent_begins_starts<S: RecordStore>(store: S) {
+    let (key, fingerprint) = (key("record-race"), Fingerprint::of(b"x"));
+    let begins: Vec<_> = (0..32)
+        .map(|_| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move { store.begin(&key, fingerprint, LEASE).await.unwrap() })
+        })
+        .collect();
+    let mut started = 0;
+    for begin in begins {
+        match begin.await.unwrap() {
+            Begin::Started { attempt } => {
+                assert_eq!(attempt, 1);
+                started += 1;
+            }
+            Begin::InProgress => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(started, 1);
+}
+
+/// A record goes PROCESSING → SUCCESS, is then done, and reads back with its fields.
+pub async fn a_succeeded_record_is_done<S: RecordStore>(store: S) {
+    let (key, fingerprint) = (key("record-success"), Fingerprint::of(b"x"));
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    let record = store.get(&key).await.unwrap().expect("the record exists");
+    assert_eq!(
+        (record.status, record.attempts, record.fingerprint),
+        (RecordStatus::Processing, 1, fingerprint)
+    );
+    assert!(store.succeed(&key, 1).await.unwrap());
+    assert_eq!(store.begin(&key, fingerprint, LEASE).await.unwrap(), Begin::Done);
+    let record = store.get(&key).await.unwrap().expect("the record exists");
+    assert_eq!(record.status, RecordStatus::Success);
+    assert!(record.updated_at >= record.created_at);
+}
+
+/// A failure is recorded with its text, and the next begin takes the key over.
+pub async fn a_failed_record_is_taken_over<S: RecordStore>(store: S) {
+    let (key, fingerprint) = (key("record-failure"), Fingerprint::of(b"x"));
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert!(store.fail(&key, 1, "database busy").await.unwrap());
+    let record = store.get(&key).await.unwrap().expect("the record exists");
+    assert_eq!(record.status, RecordStatus::Failure);
+    assert_eq!(record.last_error.as_deref(), Some("database busy"));
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE).await.unwrap(),
+        Begin::Started { attempt: 2 }
+    );
+    assert!(
+        !store.succeed(&key, 1).await.unwrap(),
+        "attempt 1 no longer owns the record"
+    );
+    assert!(store.succeed(&key, 2).await.unwrap());
+}
+
+/// The same key with another payload is a conflict, whatever the record's status.
+pub async fn another_payload_is_a_conflict<S: RecordStore>(store: S) {
+    let (key, first, second) = (
+        key("record-conflict"),
+        Fingerprint::of(b"a"),
+        Fingerprint::of(b"b"),
+    );
+    assert_eq!(
+        store.begin(&key, first, LEASE).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert_eq!(
+        store.begin(&key, second, LEASE).await.unwrap(),
+        Begin::Conflict { recorded: first }
+    );
+    assert!(store.succeed(&key, 1).await.unwrap());
+    assert_eq!(
+        store.begin(&key, second, LEASE).await.unwrap(),
+        Begin::Conflict { recorded: first }
+    );
+}
+
+/// A PROCESSING record blocks others within its lease and is taken over after it.
+pub async fn a_processing_record_is_taken_over_after_its_lease<S: RecordStore>(store: S) {
+    let (key, fingerprint) = (key("record-lease"), Fingerprint::of(b"x"));
+    let lease = Duration::from_millis(150);
+    assert_eq!(
+        store.begin(&key, fingerprint, lease).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert_eq!(
+        store.begin(&key, fingerprint, lease).await.unwrap(),
+        Begin::InProgress
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        store.begin(&key, fingerprint, lease).await.unwrap(),
+        Begin::Started { attempt: 2 }
+    );
+    assert!(!store.fail(&key, 1, "late").await.unwrap());
+}
+
+/// Generates one `#[tokio::test]` per record store case, in a module `record`, for the
+/// store that the async function `$make` returns.
+#[macro_export]
+macro_rules! record_store_suite {
+    ($make:ident) => {
+        $crate::store_suite!(
+            record,
+            $make,
+            [
+                one_of_many_concurrent_begins_starts,
+                a_succeeded_record_is_done,
+                a_failed_record_is_taken_over,
+                another_payload_is_a_conflict,
+                a_processing_record_is_taken_over_after_its_lease,
+            ]
+        );
+    };
+}
