@@ -12,7 +12,33 @@
 //! Cases use keys with a random suffix, so they run in parallel against one shared server
 //! and can be rerun without cleaning up.
 
+pub mod redis_server;
 pub mod suite;
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+/// The Redis the tests use: `REDIS_URL`, or `redis://127.0.0.1:6379`.
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A reconnecting connection to `url`, with timeouts short enough that a test against a
+/// stopped server fails fast instead of hanging.
+pub async fn redis_connection(url: &str) -> ConnectionManager {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(Duration::from_secs(2)))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_millis(200));
+    let client = redis::Client::open(url).expect("a valid Redis URL");
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .unwrap_or_else(|error| {
+            panic!("Redis at {url} unreachable ({error}); run integration-tests/services.sh")
+        })
+}
 
 /// A key unique to this test run: `name` plus a random suffix.
 pub fn unique(name: &str) -> String {

@@ -30,8 +30,9 @@
 //! - [`record`]: the durable consumption record, the final word on "was this processed".
 //!
 //! Each tier's docs say what it guarantees alone and what it relies on from the tiers
-//! behind it. Backends: in-memory ones (feature `memory`, on by default) for tests and the
-//! quickstart.
+//! behind it. Backends, each behind a cargo feature (`full` turns all on):
+//! - `memory` (default): in-memory stores for every tier, for tests and the quickstart.
+//! - `redis`: [`flag::RedisFlagStore`] and [`lock::RedisLockStore`] on Redis 7.0 or later.
 //!
 //! ```
 //! use std::time::Duration;
@@ -67,6 +68,8 @@ mod memory;
 mod outcome;
 mod policy;
 pub mod record;
+#[cfg(feature = "redis")]
+mod redis_backend;
 mod route;
 mod service;
 pub mod state_guard;
@@ -78,6 +81,8 @@ pub use handler::{HandlerError, HandlerFn, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
 pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLater, RetryReason, Tier};
 pub use policy::FailurePolicy;
+#[cfg(feature = "redis")]
+pub use redis_backend::{DEFAULT_REDIS_PREFIX, RedisConnection};
 pub use route::{DEFAULT_MAX_ATTEMPTS, Route};
 pub use service::BoxFuture;
 pub use token::Token;

@@ -119,14 +119,18 @@ pub async fn a_done_marker_expires_with_its_retention<S: FlagStore>(store: S) {
     );
 }
 
-/// Generates one `#[tokio::test]` per flag store case, in a module `flag`, for the
-/// store that the async function `$make` returns.
+/// Runs the flag store cases against a backend.
+///
+/// `flag_store_suite!(make)` generates one `#[tokio::test]` per case, in a module `flag`,
+/// each with the store the async function `make` returns. Inside an async test,
+/// `flag_store_suite!(run: STORE)` runs every case in turn, each with a fresh `STORE`
+/// expression: for a backend whose server the test itself starts and stops.
 #[macro_export]
 macro_rules! flag_store_suite {
-    ($make:ident) => {
+    ($($how:tt)*) => {
         $crate::store_suite!(
             flag,
-            $make,
+            ($($how)*),
             [
                 one_of_many_concurrent_claims_wins,
                 a_completed_claim_is_done_with_its_fingerprint,

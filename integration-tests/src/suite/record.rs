@@ -119,14 +119,18 @@ pub async fn a_processing_record_is_taken_over_after_its_lease<S: RecordStore>(s
     assert!(!store.fail(&key, 1, "late").await.unwrap());
 }
 
-/// Generates one `#[tokio::test]` per record store case, in a module `record`, for the
-/// store that the async function `$make` returns.
+/// Runs the record store cases against a backend.
+///
+/// `record_store_suite!(make)` generates one `#[tokio::test]` per case, in a module `record`,
+/// each with the store the async function `make` returns. Inside an async test,
+/// `record_store_suite!(run: STORE)` runs every case in turn, each with a fresh `STORE`
+/// expression: for a backend whose server the test itself starts and stops.
 #[macro_export]
 macro_rules! record_store_suite {
-    ($make:ident) => {
+    ($($how:tt)*) => {
         $crate::store_suite!(
             record,
-            $make,
+            ($($how)*),
             [
                 one_of_many_concurrent_begins_starts,
                 a_succeeded_record_is_done,

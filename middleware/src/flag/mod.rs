@@ -26,9 +26,13 @@
 mod layer;
 #[cfg(feature = "memory")]
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 mod service;
 mod store;
 
+#[cfg(feature = "redis")]
+pub use self::redis::RedisFlagStore;
 pub use layer::FlagLayer;
 #[cfg(feature = "memory")]
 pub use memory::MemoryFlagStore;

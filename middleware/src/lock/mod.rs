@@ -29,9 +29,13 @@ mod layer;
 mod lease;
 #[cfg(feature = "memory")]
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 mod service;
 mod store;
 
+#[cfg(feature = "redis")]
+pub use self::redis::RedisLockStore;
 pub use layer::LockLayer;
 pub use lease::LockLease;
 #[cfg(feature = "memory")]

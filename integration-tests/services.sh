@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Makes sure the services oncely's integration tests need are up on this machine.
+#
+# For each service: if it answers at its configured address, nothing is done; if the address
+# is on this machine and the server is installed but stopped, it is started; if it is not
+# installed, its Debian package is installed first. An address on another machine is only
+# checked: this script never starts or installs anything there.
+#
+# Usage: integration-tests/services.sh [SERVICE...]   (services: redis; default: all)
+# Addresses come from the same variables the tests read:
+#   REDIS_URL   (default redis://127.0.0.1:6379)
+set -euo pipefail
+
+REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
+
+log() { printf 'services: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+# host and port of a URL like scheme://user:pass@host:port/path
+url_host() { local rest="${1#*://}"; rest="${rest##*@}"; rest="${rest%%/*}"; printf '%s' "${rest%:*}"; }
+url_port() { local rest="${1#*://}"; rest="${rest##*@}"; rest="${rest%%/*}"; [[ $rest == *:* ]] && printf '%s' "${rest##*:}" || printf '%s' "$2"; }
+
+is_local() { [[ $1 == 127.* || $1 == localhost || $1 == ::1 || $1 == '[::1]' ]]; }
+
+apt_updated=""
+apt_install() {
+  command -v apt-get >/dev/null || die "cannot install $*: no apt-get on this machine"
+  local sudo=""
+  [[ $(id -u) == 0 ]] || sudo="sudo"
+  if [[ -z $apt_updated ]]; then
+    log "apt-get update"
+    $sudo apt-get update -qq >/dev/null
+    apt_updated=1
+  fi
+  log "installing $*"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# wait_for NAME SECONDS CHECK...: polls CHECK until it succeeds or SECONDS pass.
+wait_for() {
+  local name=$1 seconds=$2; shift 2
+  local deadline=$((SECONDS + seconds))
+  until "$@"; do
+    ((SECONDS < deadline)) || die "$name did not come up within ${seconds}s"
+    sleep 0.5
+  done
+}
+
+redis_answers() {
+  # A PING over bash's /dev/tcp: works before redis-cli is installed.
+  local host=$1 port=$2 reply=""
+  { exec 3<>"/dev/tcp/$host/$port"; } 2>/dev/null || return 1
+  printf 'PING\r\n' >&3
+  read -r -t 2 reply <&3 || true
+  exec 3>&- 3<&-
+  [[ $reply == +PONG* ]]
+}
+
+ensure_redis() {
+  local host port
+  host=$(url_host "$REDIS_URL"); port=$(url_port "$REDIS_URL" 6379)
+  if redis_answers "$host" "$port"; then log "redis: up at $host:$port"; return; fi
+  is_local "$host" || die "redis: nothing answers at $host:$port, and it is not this machine"
+  command -v redis-server >/dev/null || apt_install redis-server redis-tools
+  # The package may have started a server of its own.
+  if ! redis_answers "$host" "$port"; then
+    log "redis: starting on 127.0.0.1:$port"
+    redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --save "" --appendonly no >/dev/null
+  fi
+  wait_for redis 30 redis_answers "$host" "$port"
+  log "redis: up at $host:$port"
+}
+
+services=("$@")
+[[ ${#services[@]} -gt 0 ]] || services=(redis)
+for service in "${services[@]}"; do
+  case $service in
+    redis) ensure_redis ;;
+    *) die "unknown service $service" ;;
+  esac
+done

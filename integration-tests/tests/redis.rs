@@ -1,0 +1,366 @@
+//! The Redis backends against a real Redis: the store suites, the tiers' promises, and a
+//! Redis restart in the middle of a run.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use integration_tests::redis_server::ScratchRedis;
+use integration_tests::{redis_connection, redis_url, unique};
+use oncely::flag::{Claim, FlagLayer, FlagStore, RedisFlagStore};
+use oncely::lock::{LockLayer, LockLease, LockStore, RedisLockStore};
+use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
+use oncely::{
+    Broker, BrokerAction, BusinessKey, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason,
+    Route, Tier, Token, handler_fn,
+};
+use redis::aio::ConnectionManager;
+use tower::ServiceBuilder;
+
+async fn flag_store() -> RedisFlagStore<ConnectionManager> {
+    RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"))
+}
+
+async fn lock_store() -> RedisLockStore<ConnectionManager> {
+    RedisLockStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"))
+}
+
+integration_tests::flag_store_suite!(flag_store);
+integration_tests::lock_store_suite!(lock_store);
+
+fn order(id: &str, sku: &str) -> Delivery {
+    let body = format!(r#"{{"orderId":"{id}","sku":"{sku}"}}"#);
+    Delivery::new(oncely::Source::new(Broker::InProcess, "orders"), body)
+}
+
+fn order_key() -> KeyExtractor {
+    KeyExtractor::json_pointer("/orderId")
+}
+
+fn sku() -> KeyExtractor {
+    KeyExtractor::json_pointer("/sku")
+}
+
+async fn pttl(connection: &ConnectionManager, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(&mut connection.clone())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_claimers_over_two_connections_one_wins() {
+    let prefix = unique("oncely-test");
+    let stores = [
+        RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(prefix.clone()),
+        RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(prefix),
+    ];
+    let key = BusinessKey::new("order_1:deduct_stock");
+    let claims: Vec<_> = (0..64)
+        .map(|i| {
+            let (store, key) = (stores[i % 2].clone(), key.clone());
+            tokio::spawn(async move {
+                store
+                    .claim(&key, Token::random(), Duration::from_secs(30))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut won = 0;
+    for claim in claims {
+        won += usize::from(claim.await.unwrap() == Claim::Won);
+    }
+    assert_eq!(won, 1);
+}
+
+#[tokio::test]
+async fn ttls_are_as_configured() {
+    let (flags, locks) = (flag_store().await, lock_store().await);
+    let raw = redis_connection(&redis_url()).await;
+    let flag_key = flags.redis_key(&BusinessKey::new("o-1"));
+    let lock_key = locks.redis_key("sku-1");
+    let seen = Arc::new(Mutex::new((0, 0)));
+    let handler = handler_fn({
+        let (raw, flag_key, lock_key, seen) = (raw.clone(), flag_key.clone(), lock_key.clone(), seen.clone());
+        move |_: Envelope| {
+            let (raw, flag_key, lock_key, seen) =
+                (raw.clone(), flag_key.clone(), lock_key.clone(), seen.clone());
+            async move {
+                *seen.lock().unwrap() = (pttl(&raw, &flag_key).await, pttl(&raw, &lock_key).await);
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(FlagLayer::new(flags, Duration::from_secs(600)).with_lease(Duration::from_secs(30)))
+        .layer(LockLayer::new(locks, sku()).with_lease(Duration::from_secs(3)))
+        .service(handler);
+    let route = Route::new("orders", order_key(), stack);
+    assert_eq!(route.handle(order("o-1", "sku-1")).await, Outcome::Processed);
+
+    let (in_flight, locked) = *seen.lock().unwrap();
+    assert!(
+        (29_000..=30_000).contains(&in_flight),
+        "in-flight lease PTTL {in_flight}"
+    );
+    assert!((2_000..=3_000).contains(&locked), "lock lease PTTL {locked}");
+    let done = pttl(&raw, &flag_key).await;
+    assert!(
+        (659_000..=660_000).contains(&done),
+        "retention PTTL {done}: 10 min window + 1 min margin"
+    );
+    assert_eq!(pttl(&raw, &lock_key).await, -2, "the lock is released");
+}
+
+#[tokio::test]
+async fn the_lock_outlives_its_first_lease_while_the_handler_runs() {
+    let locks = lock_store().await;
+    let handler = handler_fn(|_: Envelope| async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        Ok::<(), HandlerError>(())
+    });
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), sku()).with_lease(Duration::from_millis(600)))
+        .service(handler);
+    let route = Route::new("orders", order_key(), stack);
+    let running = tokio::spawn(async move { route.handle(order("o-1", "sku-1")).await });
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let intruder = locks
+        .acquire("sku-1", Token::random(), Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        intruder, None,
+        "the watchdog renewed the lease past its first 600 ms"
+    );
+    assert_eq!(running.await.unwrap(), Outcome::Processed);
+}
+
+#[tokio::test]
+async fn deleting_the_lock_mid_handler_tells_the_handler_and_retries_later() {
+    let locks = lock_store().await;
+    let raw = redis_connection(&redis_url()).await;
+    let told = Arc::new(AtomicUsize::new(0));
+    let handler = handler_fn({
+        let told = told.clone();
+        move |envelope: Envelope| {
+            let told = told.clone();
+            async move {
+                let lease = envelope
+                    .extensions()
+                    .get::<LockLease>()
+                    .cloned()
+                    .expect("a lease");
+                tokio::select! {
+                    () = lease.lost() => {
+                        told.fetch_add(1, Ordering::SeqCst);
+                        Err(HandlerError::transient("lease lost, stopped"))
+                    }
+                    () = tokio::time::sleep(Duration::from_secs(10)) => Ok(()),
+                }
+            }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(locks.clone(), sku()).with_lease(Duration::from_millis(900)))
+        .service(handler);
+    let route = Route::new("orders", order_key(), stack);
+    let running = tokio::spawn(async move { route.handle(order("o-1", "sku-1")).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _: i64 = redis::cmd("DEL")
+        .arg(locks.redis_key("sku-1"))
+        .query_async(&mut raw.clone())
+        .await
+        .unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(5), running)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
+    assert_eq!(told.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn redis_down_the_flag_fails_open_and_the_lock_fails_closed() {
+    let mut server = ScratchRedis::start();
+    let connection = redis_connection(&server.url()).await;
+    server.kill();
+    let records = MemoryRecordStore::new();
+    let effects = Arc::new(AtomicUsize::new(0));
+    let handler = handler_fn({
+        let effects = effects.clone();
+        move |_: Envelope| {
+            effects.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), HandlerError>(()) }
+        }
+    });
+
+    let flag_then_record = ServiceBuilder::new()
+        .layer(FlagLayer::new(
+            RedisFlagStore::new(connection.clone()),
+            Duration::from_secs(600),
+        ))
+        .layer(RecordLayer::new(records.clone()))
+        .service(handler.clone());
+    let route = Route::new("orders", order_key(), flag_then_record);
+    assert_eq!(route.handle(order("o-1", "sku-1")).await, Outcome::Processed);
+    assert_eq!(
+        route.handle(order("o-1", "sku-1")).await,
+        Outcome::Duplicate { tier: Tier::Record }
+    );
+
+    let locked = ServiceBuilder::new()
+        .layer(LockLayer::new(RedisLockStore::new(connection), sku()))
+        .service(handler);
+    let route = Route::new("orders", order_key(), locked);
+    let outcome = route.handle(order("o-2", "sku-1")).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::StoreUnavailable(Tier::Lock))
+    );
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "only o-1 ran, once");
+}
+
+/// 200 orders, each delivered three times, through flag → lock → record on eight consumers;
+/// Redis is killed and restarted empty a third of the way through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_restart_mid_run_applies_no_effect_twice_and_acks_nothing_early() {
+    const ORDERS: usize = 200;
+    let mut server = ScratchRedis::start();
+    let connection = redis_connection(&server.url()).await;
+    let records = MemoryRecordStore::new();
+    let effects: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let handler = handler_fn({
+        let effects = effects.clone();
+        move |envelope: Envelope| {
+            let effects = effects.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                *effects
+                    .lock()
+                    .unwrap()
+                    .entry(envelope.key().to_string())
+                    .or_default() += 1;
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(
+            FlagLayer::new(RedisFlagStore::new(connection.clone()), Duration::from_secs(600))
+                .with_in_flight_delay(Duration::from_millis(10)),
+        )
+        .layer(
+            LockLayer::new(RedisLockStore::new(connection), sku())
+                .with_lease(Duration::from_millis(900))
+                .with_busy_delay(Duration::from_millis(10)),
+        )
+        .layer(RecordLayer::new(records.clone()).with_in_flight_delay(Duration::from_millis(10)))
+        .service(handler);
+    let route = Route::new("orders", order_key(), stack).with_max_attempts(10_000);
+
+    let mut deliveries: Vec<(u64, Delivery)> = (0..ORDERS * 3)
+        .map(|i| {
+            let order_id = i % ORDERS;
+            let position = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (
+                position,
+                order(&format!("o-{order_id}"), &format!("sku-{}", order_id % 20)),
+            )
+        })
+        .collect();
+    deliveries.sort_by_key(|(position, _)| *position);
+
+    let (queue, receiver) = tokio::sync::mpsc::unbounded_channel::<Delivery>();
+    let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
+    for (_, delivery) in deliveries {
+        queue.send(delivery).unwrap();
+    }
+    let settled = Arc::new(AtomicUsize::new(0));
+    let acked_before_effect = Arc::new(AtomicUsize::new(0));
+    let dead_letters = Arc::new(AtomicUsize::new(0));
+    let caught_by_record = Arc::new(AtomicUsize::new(0));
+    let consumers: Vec<_> = (0..8)
+        .map(|_| {
+            let (route, queue, receiver) = (route.clone(), queue.clone(), receiver.clone());
+            let (effects, settled) = (effects.clone(), settled.clone());
+            let (acked_before_effect, dead_letters) = (acked_before_effect.clone(), dead_letters.clone());
+            let caught_by_record = caught_by_record.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Some(delivery) = receiver.lock().await.recv().await else {
+                        return;
+                    };
+                    let outcome = route.handle(delivery.clone()).await;
+                    if outcome == (Outcome::Duplicate { tier: Tier::Record }) {
+                        caught_by_record.fetch_add(1, Ordering::SeqCst);
+                    }
+                    match outcome.action() {
+                        BrokerAction::Ack => {
+                            let key = order_key().extract(&delivery).unwrap().to_string();
+                            if effects.lock().unwrap().get(&key).copied().unwrap_or(0) == 0 {
+                                acked_before_effect.fetch_add(1, Ordering::SeqCst);
+                            }
+                            settled.fetch_add(1, Ordering::SeqCst);
+                        }
+                        BrokerAction::DeadLetter => {
+                            dead_letters.fetch_add(1, Ordering::SeqCst);
+                            settled.fetch_add(1, Ordering::SeqCst);
+                        }
+                        BrokerAction::Retry { .. } => {
+                            let queue = queue.clone();
+                            let attempt = delivery.attempt() + 1;
+                            tokio::spawn(async move {
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                                let _ = queue.send(delivery.with_attempt(attempt).with_redelivered(true));
+                            });
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+
+    while settled.load(Ordering::SeqCst) < ORDERS {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.restart();
+    tokio::time::timeout(Duration::from_secs(120), async {
+        while settled.load(Ordering::SeqCst) < ORDERS * 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("every delivery settles after the restart");
+    for consumer in consumers {
+        consumer.abort();
+    }
+
+    let effects = effects.lock().unwrap().clone();
+    assert_eq!(effects.len(), ORDERS, "every order applied");
+    assert!(
+        effects.values().all(|count| *count == 1),
+        "no order applied twice"
+    );
+    assert_eq!(
+        acked_before_effect.load(Ordering::SeqCst),
+        0,
+        "no delivery acked before its effect"
+    );
+    assert_eq!(dead_letters.load(Ordering::SeqCst), 0);
+    assert!(
+        caught_by_record.load(Ordering::SeqCst) > 0,
+        "the restart emptied the flag, so the record caught later copies"
+    );
+    for order_id in 0..ORDERS {
+        let record = records
+            .get(&BusinessKey::new(format!("o-{order_id}")))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(record.status, RecordStatus::Success);
+    }
+}

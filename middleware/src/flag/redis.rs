@@ -1,0 +1,137 @@
+use std::fmt;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use redis::Script;
+
+use super::store::{Claim, FlagStore};
+use crate::envelope::{BusinessKey, Fingerprint};
+use crate::error::Error;
+use crate::outcome::Tier;
+use crate::redis_backend::{
+    COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, store_error, tagged_key,
+};
+use crate::token::Token;
+
+const IN_FLIGHT: &str = "i:";
+const DONE: &str = "d:";
+
+/// Turns the caller's in-flight marker into the done marker with a new expiry.
+static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        if redis.call('GET', KEYS[1]) == ARGV[1] then
+            redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+            return 1
+        end
+        return 0
+        ",
+    )
+});
+
+/// A [`FlagStore`] on Redis 7.0 or later, shared by every consumer process.
+///
+/// One string key per business key, `PREFIX:flag:{KEY}` (the braces are the Redis Cluster
+/// hash tag), holding `i:TOKEN` while in flight and `d:FINGERPRINT` when done, each with its
+/// expiry:
+/// - claim is one command, `SET key i:TOKEN NX GET PX lease`: it sets the marker only if
+///   there is none and returns what was there, so checking and claiming cannot race;
+/// - complete and release are Lua scripts that compare the token first.
+///
+/// Markers vanish when Redis loses its data (restart without persistence, `FLUSHALL`,
+/// eviction under `maxmemory`): the flag then lets duplicates through to the tiers behind.
+pub struct RedisFlagStore<C> {
+    connection: C,
+    prefix: Arc<str>,
+}
+
+impl<C: RedisConnection> RedisFlagStore<C> {
+    /// A store on `connection` with the key prefix `oncely`.
+    pub fn new(connection: C) -> Self {
+        RedisFlagStore {
+            connection,
+            prefix: DEFAULT_REDIS_PREFIX.into(),
+        }
+    }
+
+    /// Sets the key prefix, e.g. per application or environment.
+    pub fn with_prefix(mut self, prefix: impl Into<Arc<str>>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The Redis key holding `key`'s marker.
+    pub fn redis_key(&self, key: &BusinessKey) -> String {
+        tagged_key(&self.prefix, "flag", key.as_str())
+    }
+}
+
+impl<C: Clone> Clone for RedisFlagStore<C> {
+    fn clone(&self) -> Self {
+        RedisFlagStore {
+            connection: self.connection.clone(),
+            prefix: self.prefix.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for RedisFlagStore<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisFlagStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn parse_marker(marker: &str) -> Result<Claim, Error> {
+    if marker.starts_with(IN_FLIGHT) {
+        return Ok(Claim::InFlight);
+    }
+    marker
+        .strip_prefix(DONE)
+        .and_then(|hex| u128::from_str_radix(hex, 16).ok())
+        .map(|value| Claim::Done(Fingerprint::from_u128(value)))
+        .ok_or_else(|| Error::store(Tier::Flag, format!("unexpected flag marker {marker:?}")))
+}
+
+impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
+    async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, Error> {
+        let previous: Option<String> = redis::cmd("SET")
+            .arg(self.redis_key(key))
+            .arg(format!("{IN_FLIGHT}{token}"))
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(millis(lease))
+            .query_async(&mut self.connection.clone())
+            .await
+            .map_err(store_error(Tier::Flag))?;
+        previous.map_or(Ok(Claim::Won), |marker| parse_marker(&marker))
+    }
+
+    async fn complete(
+        &self,
+        key: &BusinessKey,
+        token: Token,
+        fingerprint: Fingerprint,
+        retention: Duration,
+    ) -> Result<bool, Error> {
+        COMPLETE
+            .key(self.redis_key(key))
+            .arg(format!("{IN_FLIGHT}{token}"))
+            .arg(format!("{DONE}{fingerprint}"))
+            .arg(millis(retention))
+            .invoke_async(&mut self.connection.clone())
+            .await
+            .map_err(store_error(Tier::Flag))
+    }
+
+    async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, Error> {
+        COMPARE_AND_DELETE
+            .key(self.redis_key(key))
+            .arg(format!("{IN_FLIGHT}{token}"))
+            .invoke_async(&mut self.connection.clone())
+            .await
+            .map_err(store_error(Tier::Flag))
+    }
+}
