@@ -6,18 +6,22 @@
 # installed, its Debian package is installed first. An address on another machine is only
 # checked: this script never starts or installs anything there.
 #
-# Usage: integration-tests/services.sh [SERVICE...]   (services: redis; default: all)
+# Usage: integration-tests/services.sh [SERVICE...]   (services: redis postgres; default: all)
 # Addresses come from the same variables the tests read:
-#   REDIS_URL   (default redis://127.0.0.1:6379)
+#   REDIS_URL     (default redis://127.0.0.1:6379)
+#   DATABASE_URL  (default postgres://postgres@127.0.0.1:5432/test)
 set -euo pipefail
 
 REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
+DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 
 log() { printf 'services: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
 
 # host and port of a URL like scheme://user:pass@host:port/path
 url_host() { local rest="${1#*://}"; rest="${rest##*@}"; rest="${rest%%/*}"; printf '%s' "${rest%:*}"; }
+url_user() { local rest="${1#*://}"; [[ $rest == *@* ]] && { rest="${rest%%@*}"; printf '%s' "${rest%%:*}"; } || printf '%s' "$2"; }
+url_path() { local rest="${1#*://}"; rest="${rest#*/}"; printf '%s' "${rest%%\?*}"; }
 url_port() { local rest="${1#*://}"; rest="${rest##*@}"; rest="${rest%%/*}"; [[ $rest == *:* ]] && printf '%s' "${rest##*:}" || printf '%s' "$2"; }
 
 is_local() { [[ $1 == 127.* || $1 == localhost || $1 == ::1 || $1 == '[::1]' ]]; }
@@ -46,6 +50,8 @@ wait_for() {
   done
 }
 
+tcp_open() { { exec 3<>"/dev/tcp/$1/$2"; } 2>/dev/null || return 1; exec 3>&- 3<&-; }
+
 redis_answers() {
   # A PING over bash's /dev/tcp: works before redis-cli is installed.
   local host=$1 port=$2 reply=""
@@ -71,11 +77,45 @@ ensure_redis() {
   log "redis: up at $host:$port"
 }
 
+postgres_answers() {
+  if command -v pg_isready >/dev/null; then pg_isready -q -h "$1" -p "$2"; else tcp_open "$1" "$2"; fi
+}
+
+ensure_postgres() {
+  local host port user database version installed=""
+  host=$(url_host "$DATABASE_URL"); port=$(url_port "$DATABASE_URL" 5432)
+  user=$(url_user "$DATABASE_URL" postgres); database=$(url_path "$DATABASE_URL")
+  if ! postgres_answers "$host" "$port"; then
+    is_local "$host" || die "postgres: nothing answers at $host:$port, and it is not this machine"
+    if ! compgen -G '/etc/postgresql/*/main' >/dev/null; then
+      apt_install postgresql postgresql-client
+      installed=1
+    fi
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    if [[ -n $installed ]]; then
+      # Trust loopback connections, as the project's machines do; only on a server this
+      # script installed itself.
+      sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "/etc/postgresql/$version/main/pg_hba.conf"
+    fi
+    log "postgres: starting cluster $version/main"
+    pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+    wait_for postgres 60 postgres_answers "$host" "$port"
+  fi
+  command -v psql >/dev/null || apt_install postgresql-client
+  local admin="postgres://$user@$host:$port/postgres"
+  if [[ -n $database ]] && ! psql "$admin" -tAc "SELECT 1 FROM pg_database WHERE datname = '$database'" | grep -q 1; then
+    log "postgres: creating database $database"
+    psql "$admin" -qc "CREATE DATABASE \"$database\"" >/dev/null
+  fi
+  log "postgres: up at $host:$port, database ${database:-postgres}"
+}
+
 services=("$@")
-[[ ${#services[@]} -gt 0 ]] || services=(redis)
+[[ ${#services[@]} -gt 0 ]] || services=(redis postgres)
 for service in "${services[@]}"; do
   case $service in
     redis) ensure_redis ;;
+    postgres) ensure_postgres ;;
     *) die "unknown service $service" ;;
   esac
 done

@@ -88,6 +88,14 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A schema, table or column name is not a plain SQL identifier (configuration error).
+    #[error(
+        "invalid SQL identifier {identifier:?}: use 1 to 63 lowercase letters, digits and underscores, not starting with a digit"
+    )]
+    InvalidIdentifier {
+        /// The name as given.
+        identifier: String,
+    },
     /// A tier's store failed: unreachable, timed out or answered with an error.
     #[error("{tier} store failed: {source}")]
     Store {
@@ -133,7 +141,9 @@ impl Error {
     pub fn is_config(&self) -> bool {
         matches!(
             self,
-            Error::InvalidTemplate { .. } | Error::InvalidStateMachine { .. }
+            Error::InvalidTemplate { .. }
+                | Error::InvalidStateMachine { .. }
+                | Error::InvalidIdentifier { .. }
         )
     }
 }

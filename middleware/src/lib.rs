@@ -33,6 +33,10 @@
 //! behind it. Backends, each behind a cargo feature (`full` turns all on):
 //! - `memory` (default): in-memory stores for every tier, for tests and the quickstart.
 //! - `redis`: [`flag::RedisFlagStore`] and [`lock::RedisLockStore`] on Redis 7.0 or later.
+//! - `postgres`: the record tier on PostgreSQL in transactional mode
+//!   ([`record::PgTransactionalLayer`]) or three-step mode ([`record::PgRecordStore`], with
+//!   claim coalescing and a [`record::Reconciler`]), the state guard's
+//!   [`state_guard::PgStateStore`], and [`postgres`] helpers for idempotent state changes.
 //!
 //! ```
 //! use std::time::Duration;
@@ -67,6 +71,8 @@ pub mod lock;
 mod memory;
 mod outcome;
 mod policy;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 pub mod record;
 #[cfg(feature = "redis")]
 mod redis_backend;

@@ -94,16 +94,16 @@ async fn a_processing_record_past_its_lease_is_taken_over_once() {
 
     // A consumer began the record and crashed.
     assert_eq!(
-        store.begin(&key, fingerprint, lease).await.unwrap(),
+        store.begin(&key, fingerprint, lease, None).await.unwrap(),
         oncely::record::Begin::Started { attempt: 1 }
     );
     assert_eq!(
-        store.begin(&key, fingerprint, lease).await.unwrap(),
+        store.begin(&key, fingerprint, lease, None).await.unwrap(),
         oncely::record::Begin::InProgress
     );
     tokio::time::sleep(lease).await;
     assert_eq!(
-        store.begin(&key, fingerprint, lease).await.unwrap(),
+        store.begin(&key, fingerprint, lease, None).await.unwrap(),
         oncely::record::Begin::Started { attempt: 2 }
     );
     // The crashed attempt, waking up late, cannot settle what it no longer owns.

@@ -1,21 +1,26 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench -- [TIER...]`).
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
-//! run, and prints a table per tier with the ratio. Tiers: `redis`.
+//! run, and prints a table per tier with the ratio. Tiers: `redis`, `postgres`.
 //!
-//! The Redis tier runs against a `redis-server` the bench starts itself on a free port,
-//! emptied before every measurement, so each one starts from the same empty keyspace and
-//! the machine's shared Redis is left alone.
+//! - `redis`: flag claims next to raw `SET NX PX`, on a `redis-server` the bench starts
+//!   itself on a free port and empties before every measurement, so each starts from the
+//!   same empty keyspace and the machine's shared Redis is left alone.
+//! - `postgres`: three-step record claims, single-row next to coalesced, on `DATABASE_URL`
+//!   in a schema of the bench's own, dropped afterwards.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::redis_connection;
 use integration_tests::redis_server::ScratchRedis;
 use oncely::flag::{FlagStore, RedisFlagStore};
+use oncely::record::{PgRecordStore, RecordStore};
 use oncely::{BusinessKey, Fingerprint, Token};
 
 /// How long each measurement runs, after a warm-up of a tenth of it.
@@ -23,27 +28,36 @@ const RUN: Duration = Duration::from_millis(1500);
 /// Each measurement is repeated this many times, alternating with its baseline; the median
 /// is reported, which keeps one noisy run on a shared 2-core machine from deciding.
 const ROUNDS: usize = 5;
-/// Bench keys expire on their own; nothing to clean up.
+/// Bench keys in Redis expire on their own.
 const KEY_TTL: Duration = Duration::from_secs(20);
 
-/// Runs `op` from `in_flight` tasks for `RUN` and returns operations per second.
-async fn throughput<F, Fut>(in_flight: usize, op: F) -> f64
+/// One operation of a measurement, given a number unique across the whole run.
+type Op = Arc<dyn Fn(u64) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+fn op<F, Fut>(f: F) -> Op
 where
-    F: Fn(u64) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = ()> + Send,
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
 {
-    let counter = Arc::new(AtomicU64::new(0));
-    let measuring = Arc::new(AtomicU64::new(0));
+    Arc::new(move |i| Box::pin(f(i)))
+}
+
+/// Numbers handed to operations: unique across measurements, so keys never repeat.
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// Runs `op` from `in_flight` tasks for `RUN` and returns operations per second.
+async fn throughput(in_flight: usize, op: &Op) -> f64 {
+    let measured = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let warm_up = RUN / 10;
     let tasks: Vec<_> = (0..in_flight)
         .map(|_| {
-            let (op, counter, measuring) = (op.clone(), counter.clone(), measuring.clone());
+            let (op, measured) = (op.clone(), measured.clone());
             tokio::spawn(async move {
                 while started.elapsed() < warm_up + RUN {
-                    op(counter.fetch_add(1, Ordering::Relaxed)).await;
+                    op(NEXT.fetch_add(1, Ordering::Relaxed)).await;
                     if started.elapsed() >= warm_up {
-                        measuring.fetch_add(1, Ordering::Relaxed);
+                        measured.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             })
@@ -52,7 +66,7 @@ where
     for task in tasks {
         task.await.expect("a bench task");
     }
-    measuring.load(Ordering::Relaxed) as f64 / RUN.as_secs_f64()
+    measured.load(Ordering::Relaxed) as f64 / RUN.as_secs_f64()
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -62,10 +76,36 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// A row of a tier's table.
 struct Row {
-    what: String,
+    what: &'static str,
     in_flight: usize,
     per_second: f64,
     baseline: f64,
+}
+
+/// Measures `baseline` and each of `measured` in alternation, `ROUNDS` times, running
+/// `reset` before every measurement; one row per measured operation, with medians.
+async fn compare(in_flight: usize, reset: &Op, baseline: &Op, measured: &[(&'static str, Op)]) -> Vec<Row> {
+    let mut baselines = Vec::new();
+    let mut results = vec![Vec::new(); measured.len()];
+    for _ in 0..ROUNDS {
+        reset(0).await;
+        baselines.push(throughput(in_flight, baseline).await);
+        for ((_, op), result) in measured.iter().zip(&mut results) {
+            reset(0).await;
+            result.push(throughput(in_flight, op).await);
+        }
+    }
+    let baseline = median(baselines);
+    measured
+        .iter()
+        .zip(results)
+        .map(|((what, _), result)| Row {
+            what,
+            in_flight,
+            per_second: median(result),
+            baseline,
+        })
+        .collect()
 }
 
 fn print_table(title: &str, baseline_name: &str, rows: &[Row]) {
@@ -84,23 +124,25 @@ fn print_table(title: &str, baseline_name: &str, rows: &[Row]) {
     }
 }
 
-async fn bench_redis() -> Vec<Row> {
+async fn bench_redis() -> f64 {
     let server = ScratchRedis::start();
-    let url = server.url();
-    let connection = redis_connection(&url).await;
+    let connection = redis_connection(&server.url()).await;
     let store = RedisFlagStore::new(connection.clone());
-    let flush = || {
-        let mut connection = connection.clone();
-        async move {
-            let () = redis::cmd("FLUSHALL")
-                .query_async(&mut connection)
-                .await
-                .expect("FLUSHALL");
-        }
-    };
-    let raw_set = {
+    let flush = op({
         let connection = connection.clone();
-        move |i: u64| {
+        move |_| {
+            let mut connection = connection.clone();
+            async move {
+                let () = redis::cmd("FLUSHALL")
+                    .query_async(&mut connection)
+                    .await
+                    .expect("FLUSHALL");
+            }
+        }
+    });
+    let raw_set = op({
+        let connection = connection.clone();
+        move |i| {
             let (mut connection, key) = (connection.clone(), format!("oncely:raw:{{{i}}}"));
             async move {
                 let _: Option<String> = redis::cmd("SET")
@@ -114,114 +156,111 @@ async fn bench_redis() -> Vec<Row> {
                     .expect("raw SET");
             }
         }
-    };
+    });
+    let claim = op({
+        let store = store.clone();
+        move |i| {
+            let (store, key) = (store.clone(), BusinessKey::new(i.to_string()));
+            async move {
+                store.claim(&key, Token::random(), KEY_TTL).await.expect("claim");
+            }
+        }
+    });
+    let claim_and_complete = op(move |i| {
+        let (store, key) = (store.clone(), BusinessKey::new(i.to_string()));
+        async move {
+            let token = Token::random();
+            store.claim(&key, token, KEY_TTL).await.expect("claim");
+            store
+                .complete(&key, token, Fingerprint::of(b"bench"), KEY_TTL)
+                .await
+                .expect("complete");
+        }
+    });
     // The first measurement in a fresh process and server runs visibly faster than the rest;
     // one discarded run keeps it from favouring whichever comes first.
-    throughput(64, raw_set.clone()).await;
-    let mut rows = Vec::new();
-    for in_flight in [1, 64] {
-        let (mut raw, mut claims, mut settled) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..ROUNDS {
-            flush().await;
-            raw.push(throughput(in_flight, raw_set.clone()).await);
-            flush().await;
-            let store = store.clone();
-            claims.push(
-                throughput(in_flight, {
-                    let store = store.clone();
-                    move |i| {
-                        let (store, key) = (store.clone(), BusinessKey::new(i.to_string()));
-                        async move {
-                            store.claim(&key, Token::random(), KEY_TTL).await.expect("claim");
-                        }
-                    }
-                })
-                .await,
-            );
-            flush().await;
-            settled.push(
-                throughput(in_flight, move |i| {
-                    let (store, key) = (store.clone(), BusinessKey::new(i.to_string()));
-                    async move {
-                        let token = Token::random();
-                        store.claim(&key, token, KEY_TTL).await.expect("claim");
-                        store
-                            .complete(&key, token, Fingerprint::of(b"bench"), KEY_TTL)
-                            .await
-                            .expect("complete");
-                    }
-                })
-                .await,
-            );
-        }
-        let baseline = median(raw);
-        rows.push(Row {
-            what: "flag claim (`SET NX GET PX`)".into(),
-            in_flight,
-            per_second: median(claims),
-            baseline,
-        });
-        rows.push(Row {
-            what: "flag claim + complete (2 round trips)".into(),
-            in_flight,
-            per_second: median(settled),
-            baseline,
-        });
-    }
+    throughput(64, &raw_set).await;
+    let measured = [
+        ("flag claim (`SET NX GET PX`)", claim),
+        ("flag claim + complete (2 round trips)", claim_and_complete),
+    ];
+    let mut rows = compare(1, &flush, &raw_set, &measured).await;
+    rows.extend(compare(64, &flush, &raw_set, &measured).await);
     print_table("Redis flag tier", "raw `SET NX PX`", &rows);
-    if let Some(line) = redis_benchmark(&url) {
+    if let Some(line) = redis_benchmark(&server.url()) {
         println!(
             "\nFor scale, redis-benchmark on the same server (64 connections, no client library): {line}"
         );
     }
-    rows
+    let at_64 = &rows[2];
+    at_64.per_second / at_64.baseline
 }
 
 /// The server's own limit for the same command, measured by redis-benchmark when present.
 fn redis_benchmark(url: &str) -> Option<String> {
-    let address = url.trim_start_matches("redis://");
-    let (host, port) = address.split_once(':').unwrap_or((address, "6379"));
-    let port = port.trim_end_matches(|c: char| !c.is_ascii_digit());
+    let port = url.rsplit(':').next()?;
     let output = Command::new("redis-benchmark")
-        .args([
-            "-h",
-            host,
-            "-p",
-            port,
-            "-c",
-            "64",
-            "-n",
-            "200000",
-            "-r",
-            "100000000",
-            "-q",
-        ])
+        .args(["-p", port, "-c", "64", "-n", "200000", "-r", "100000000", "-q"])
         .args(["SET", "oncely:rb:__rand_int__", "v", "NX", "PX", "20000"])
         .output()
         .ok()?;
     let text = String::from_utf8_lossy(&output.stdout);
-    text.lines()
+    let line = text
+        .lines()
         .rev()
-        .find(|line| line.contains("requests per second"))
-        .map(|line| line.rsplit('\r').next().unwrap_or(line).trim().to_owned())
+        .find(|line| line.contains("requests per second"))?;
+    Some(line.rsplit('\r').next().unwrap_or(line).trim().to_owned())
+}
+
+async fn bench_postgres() -> f64 {
+    let pool = pool(16);
+    let schema = ScratchSchema::new(&pool).await;
+    let single = PgRecordStore::new(pool.clone(), schema.records());
+    let coalesced = single.clone().with_coalescing(64, Duration::from_millis(2));
+    let claim = |store: PgRecordStore| {
+        op(move |i| {
+            let (store, key) = (store.clone(), BusinessKey::new(i.to_string()));
+            async move {
+                store
+                    .begin(&key, Fingerprint::of(b"bench"), Duration::from_secs(60), None)
+                    .await
+                    .expect("claim");
+            }
+        })
+    };
+    let nothing = op(|_| async {});
+    let measured = [("record claim, coalesced (≤ 64 rows or 2 ms)", claim(coalesced))];
+    let rows = compare(64, &nothing, &claim(single), &measured).await;
+    print_table(
+        "PostgreSQL record tier (three-step claims, pool of 16)",
+        "single-row claim",
+        &rows,
+    );
+    rows[0].per_second / rows[0].baseline
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let tiers: Vec<String> = std::env::args().skip(1).collect();
     let wanted = |tier: &str| tiers.is_empty() || tiers.iter().any(|t| t == tier || t == "all");
-    println!(
-        "## oncely benchmarks ({} cores)",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
-    );
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!("## oncely benchmarks ({cores} cores)");
+    let mut summary = Vec::new();
     if wanted("redis") {
-        let rows = bench_redis().await;
-        let at_64 = rows
-            .iter()
-            .find(|row| row.in_flight == 64)
-            .expect("a 64-in-flight row");
-        let ratio = at_64.per_second / at_64.baseline;
-        println!("\nRedis flag claims at 64 in flight: {ratio:.2}× raw SET NX PX (target ≥ 0.80×)");
+        let ratio = bench_redis().await;
+        summary.push(format!(
+            "Redis flag claims at 64 in flight: {ratio:.2}× raw SET NX PX (target ≥ 0.80×)"
+        ));
+    }
+    if wanted("postgres") {
+        let ratio = bench_postgres().await;
+        summary.push(format!(
+            "PostgreSQL coalesced claims at 64 in flight: {ratio:.2}× single-row (target ≥ 10×)"
+        ));
+    }
+    println!();
+    for line in summary {
+        println!("{line}");
     }
     ExitCode::SUCCESS
 }

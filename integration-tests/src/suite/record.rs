@@ -19,7 +19,7 @@ pub async fn one_of_many_concurrent_begins_starts<S: RecordStore>(store: S) {
     let begins: Vec<_> = (0..32)
         .map(|_| {
             let (store, key) = (store.clone(), key.clone());
-            tokio::spawn(async move { store.begin(&key, fingerprint, LEASE).await.unwrap() })
+            tokio::spawn(async move { store.begin(&key, fingerprint, LEASE, None).await.unwrap() })
         })
         .collect();
     let mut started = 0;
@@ -40,7 +40,7 @@ pub async fn one_of_many_concurrent_begins_starts<S: RecordStore>(store: S) {
 pub async fn a_succeeded_record_is_done<S: RecordStore>(store: S) {
     let (key, fingerprint) = (key("record-success"), Fingerprint::of(b"x"));
     assert_eq!(
-        store.begin(&key, fingerprint, LEASE).await.unwrap(),
+        store.begin(&key, fingerprint, LEASE, None).await.unwrap(),
         Begin::Started { attempt: 1 }
     );
     let record = store.get(&key).await.unwrap().expect("the record exists");
@@ -49,7 +49,10 @@ pub async fn a_succeeded_record_is_done<S: RecordStore>(store: S) {
         (RecordStatus::Processing, 1, fingerprint)
     );
     assert!(store.succeed(&key, 1).await.unwrap());
-    assert_eq!(store.begin(&key, fingerprint, LEASE).await.unwrap(), Begin::Done);
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE, None).await.unwrap(),
+        Begin::Done
+    );
     let record = store.get(&key).await.unwrap().expect("the record exists");
     assert_eq!(record.status, RecordStatus::Success);
     assert!(record.updated_at >= record.created_at);
@@ -59,7 +62,7 @@ pub async fn a_succeeded_record_is_done<S: RecordStore>(store: S) {
 pub async fn a_failed_record_is_taken_over<S: RecordStore>(store: S) {
     let (key, fingerprint) = (key("record-failure"), Fingerprint::of(b"x"));
     assert_eq!(
-        store.begin(&key, fingerprint, LEASE).await.unwrap(),
+        store.begin(&key, fingerprint, LEASE, None).await.unwrap(),
         Begin::Started { attempt: 1 }
     );
     assert!(store.fail(&key, 1, "database busy").await.unwrap());
@@ -67,7 +70,7 @@ pub async fn a_failed_record_is_taken_over<S: RecordStore>(store: S) {
     assert_eq!(record.status, RecordStatus::Failure);
     assert_eq!(record.last_error.as_deref(), Some("database busy"));
     assert_eq!(
-        store.begin(&key, fingerprint, LEASE).await.unwrap(),
+        store.begin(&key, fingerprint, LEASE, None).await.unwrap(),
         Begin::Started { attempt: 2 }
     );
     assert!(
@@ -85,16 +88,16 @@ pub async fn another_payload_is_a_conflict<S: RecordStore>(store: S) {
         Fingerprint::of(b"b"),
     );
     assert_eq!(
-        store.begin(&key, first, LEASE).await.unwrap(),
+        store.begin(&key, first, LEASE, None).await.unwrap(),
         Begin::Started { attempt: 1 }
     );
     assert_eq!(
-        store.begin(&key, second, LEASE).await.unwrap(),
+        store.begin(&key, second, LEASE, None).await.unwrap(),
         Begin::Conflict { recorded: first }
     );
     assert!(store.succeed(&key, 1).await.unwrap());
     assert_eq!(
-        store.begin(&key, second, LEASE).await.unwrap(),
+        store.begin(&key, second, LEASE, None).await.unwrap(),
         Begin::Conflict { recorded: first }
     );
 }
@@ -104,19 +107,39 @@ pub async fn a_processing_record_is_taken_over_after_its_lease<S: RecordStore>(s
     let (key, fingerprint) = (key("record-lease"), Fingerprint::of(b"x"));
     let lease = Duration::from_millis(150);
     assert_eq!(
-        store.begin(&key, fingerprint, lease).await.unwrap(),
+        store.begin(&key, fingerprint, lease, None).await.unwrap(),
         Begin::Started { attempt: 1 }
     );
     assert_eq!(
-        store.begin(&key, fingerprint, lease).await.unwrap(),
+        store.begin(&key, fingerprint, lease, None).await.unwrap(),
         Begin::InProgress
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
-        store.begin(&key, fingerprint, lease).await.unwrap(),
+        store.begin(&key, fingerprint, lease, None).await.unwrap(),
         Begin::Started { attempt: 2 }
     );
     assert!(!store.fail(&key, 1, "late").await.unwrap());
+}
+
+/// A takeover under an older fencing token than the record's is refused; a newer one wins.
+pub async fn a_stale_fencing_token_cannot_take_over<S: RecordStore>(store: S) {
+    let (key, fingerprint) = (key("record-fence"), Fingerprint::of(b"x"));
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE, Some(5)).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert!(store.fail(&key, 1, "lease lost").await.unwrap());
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE, Some(4)).await.unwrap(),
+        Begin::Fenced
+    );
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE, Some(6)).await.unwrap(),
+        Begin::Started { attempt: 2 }
+    );
+    let record = store.get(&key).await.unwrap().expect("the record exists");
+    assert_eq!(record.fencing_token, Some(6));
 }
 
 /// Runs the record store cases against a backend.
@@ -137,6 +160,7 @@ macro_rules! record_store_suite {
                 a_failed_record_is_taken_over,
                 another_payload_is_a_conflict,
                 a_processing_record_is_taken_over_after_its_lease,
+                a_stale_fencing_token_cannot_take_over,
             ]
         );
     };

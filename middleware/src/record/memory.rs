@@ -63,6 +63,7 @@ impl RecordStore for MemoryRecordStore {
         key: &BusinessKey,
         fingerprint: Fingerprint,
         lease: Duration,
+        fencing_token: Option<u64>,
     ) -> Result<Begin, Error> {
         let mut records = self.records.lock();
         let now = Instant::now();
@@ -76,6 +77,7 @@ impl RecordStore for MemoryRecordStore {
                 fingerprint,
                 created_at,
                 updated_at: created_at,
+                fencing_token,
             };
             records.insert(
                 key.clone(),
@@ -92,13 +94,17 @@ impl RecordStore for MemoryRecordStore {
                 recorded: record.fingerprint,
             });
         }
+        let stale_fence =
+            matches!((fencing_token, record.fencing_token), (Some(ours), Some(recorded)) if ours < recorded);
         match record.status {
             RecordStatus::Success => Ok(Begin::Done),
             RecordStatus::Processing if entry.lease_until > now => Ok(Begin::InProgress),
+            RecordStatus::Processing | RecordStatus::Failure if stale_fence => Ok(Begin::Fenced),
             RecordStatus::Processing | RecordStatus::Failure => {
                 record.status = RecordStatus::Processing;
                 record.attempts += 1;
                 record.updated_at = SystemTime::now();
+                record.fencing_token = fencing_token.or(record.fencing_token);
                 entry.lease_until = now + lease;
                 Ok(Begin::Started {
                     attempt: record.attempts,

@@ -9,6 +9,7 @@
 //! | `SUCCESS` | [`Duplicate`](crate::Outcome::Duplicate) from [`Tier::Record`](crate::Tier::Record) |
 //! | `PROCESSING`, lease running | [`RetryLater`](crate::Outcome::RetryLater): in flight elsewhere |
 //! | `PROCESSING` past its lease, or `FAILURE` | taken over (attempt + 1): the tiers behind run |
+//! | written under a newer lock fencing token | [`RetryLater`](crate::Outcome::RetryLater) (`LeaseLost`): this delivery's lock is stale |
 //!
 //! Afterwards a settled answer (processed, duplicate, stale) marks the record `SUCCESS`; any
 //! other answer marks it `FAILURE` with the error text, so the retry takes it over. Only the
@@ -29,11 +30,18 @@
 mod layer;
 #[cfg(feature = "memory")]
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod service;
 mod store;
 
 pub use layer::RecordLayer;
 #[cfg(feature = "memory")]
 pub use memory::MemoryRecordStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    EffectCheck, PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalService, ReconcileReport,
+    Reconciler,
+};
 pub use service::RecordService;
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

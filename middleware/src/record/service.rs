@@ -5,6 +5,7 @@ use tower_service::Service;
 use super::layer::RecordLayer;
 use super::store::{Begin, RecordStore};
 use crate::envelope::Envelope;
+use crate::lock::LockLease;
 use crate::outcome::{DeadLetterReason, Outcome, RetryReason, Tier};
 use crate::service::{BoxFuture, take_ready};
 
@@ -37,7 +38,15 @@ where
         Box::pin(async move {
             let key = envelope.key().clone();
             let fingerprint = envelope.fingerprint();
-            let attempt = match config.store.begin(&key, fingerprint, config.lease).await {
+            let fencing_token = envelope
+                .extensions()
+                .get::<LockLease>()
+                .map(LockLease::fencing_token);
+            let attempt = match config
+                .store
+                .begin(&key, fingerprint, config.lease, fencing_token)
+                .await
+            {
                 Ok(Begin::Started { attempt }) => attempt,
                 Ok(Begin::Done) => return Ok(Outcome::Duplicate { tier: Tier::Record }),
                 Ok(Begin::InProgress) => {
@@ -45,6 +54,13 @@ where
                         RetryReason::InFlight(Tier::Record),
                         format!("key {key} is PROCESSING in another delivery"),
                         Some(config.in_flight_delay),
+                    ));
+                }
+                Ok(Begin::Fenced) => {
+                    return Ok(Outcome::retry_later(
+                        RetryReason::LeaseLost,
+                        format!("key {key} was written under a newer lock than this delivery's"),
+                        None,
                     ));
                 }
                 Ok(Begin::Conflict { recorded }) => {

@@ -50,6 +50,8 @@ pub struct ConsumptionRecord {
     pub created_at: SystemTime,
     /// When the record last changed.
     pub updated_at: SystemTime,
+    /// The fencing token of the lock the last attempt held, if a lock ran in front.
+    pub fencing_token: Option<u64>,
 }
 
 /// What [`RecordStore::begin`] found.
@@ -70,6 +72,9 @@ pub enum Begin {
         /// The fingerprint on record.
         recorded: Fingerprint,
     },
+    /// The record was last written under a newer fencing token than the caller's: the
+    /// caller's lock is stale, and it must not take the key over.
+    Fenced,
 }
 
 /// A backend for the [record tier](crate::record).
@@ -77,14 +82,21 @@ pub enum Begin {
 /// `begin` must be atomic per key: of concurrent begins, at most one gets `Started` for a
 /// given attempt. `succeed` and `fail` must act only when the record is still `PROCESSING`
 /// under the given attempt number.
+///
+/// Fencing: `begin` stores the caller's lock fencing token (when a [lock](crate::lock) runs
+/// in front) and refuses to take over a record written under a newer token
+/// ([`Begin::Fenced`]). Since only the attempt that began a record can settle it, settling
+/// is fenced by the same token.
 pub trait RecordStore: Clone + Send + Sync + 'static {
-    /// Begins an attempt for `key` carrying `fingerprint`, with a lease of `lease`; see
-    /// [`Begin`] for the answers and the [module docs](crate::record) for the rules.
+    /// Begins an attempt for `key` carrying `fingerprint`, with a lease of `lease`, under the
+    /// lock's `fencing_token` if any; see [`Begin`] for the answers and the
+    /// [module docs](crate::record) for the rules.
     fn begin(
         &self,
         key: &BusinessKey,
         fingerprint: Fingerprint,
         lease: Duration,
+        fencing_token: Option<u64>,
     ) -> impl Future<Output = Result<Begin, Error>> + Send;
 
     /// Marks attempt `attempt` of `key` `SUCCESS`. False when that attempt no longer owns it.

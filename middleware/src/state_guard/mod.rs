@@ -29,6 +29,8 @@ mod layer;
 mod machine;
 #[cfg(feature = "memory")]
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod service;
 mod store;
 
@@ -36,5 +38,7 @@ pub use layer::StateGuardLayer;
 pub use machine::{StateMachine, StateMachineBuilder};
 #[cfg(feature = "memory")]
 pub use memory::MemoryStateStore;
+#[cfg(feature = "postgres")]
+pub use postgres::PgStateStore;
 pub use service::StateGuardService;
 pub use store::StateStore;

@@ -1,0 +1,109 @@
+//! Claim coalescing: many deliveries' claims, one statement.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::{Instant, timeout_at};
+
+use super::sql::{ClaimRequest, Statements, claim_batch, record_error};
+use crate::error::Error;
+use crate::outcome::Tier;
+use crate::record::store::{Begin, RecordStatus};
+
+type Waiter = (ClaimRequest, oneshot::Sender<Result<Begin, Error>>);
+
+/// The handle to the batching task; clones share it.
+#[derive(Clone, Debug)]
+pub(super) struct Coalescer {
+    queue: mpsc::Sender<Waiter>,
+}
+
+impl Coalescer {
+    pub(super) fn spawn(
+        pool: Pool,
+        statements: Arc<Statements>,
+        max_rows: usize,
+        max_wait: Duration,
+    ) -> Self {
+        // Room for a few batches: beyond that, callers wait for the collector, which bounds
+        // memory under overload instead of queueing without limit.
+        let (queue, receiver) = mpsc::channel(max_rows * 4);
+        tokio::spawn(collect(receiver, pool, statements, max_rows, max_wait));
+        Coalescer { queue }
+    }
+
+    pub(super) async fn claim(&self, request: ClaimRequest) -> Result<Begin, Error> {
+        let (reply, answer) = oneshot::channel();
+        let stopped = || Error::store(Tier::Record, "the claim coalescer stopped");
+        self.queue.send((request, reply)).await.map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+}
+
+/// Gathers claims into batches and starts each batch on its own task, so the next batch
+/// fills while the previous one is on the wire.
+async fn collect(
+    mut receiver: mpsc::Receiver<Waiter>,
+    pool: Pool,
+    statements: Arc<Statements>,
+    max_rows: usize,
+    max_wait: Duration,
+) {
+    while let Some(first) = receiver.recv().await {
+        let deadline = Instant::now() + max_wait;
+        let mut batch = vec![first];
+        while batch.len() < max_rows {
+            match timeout_at(deadline, receiver.recv()).await {
+                Ok(Some(waiter)) => batch.push(waiter),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        tokio::spawn(run_batch(batch, pool.clone(), statements.clone()));
+    }
+}
+
+/// Runs one batch. A statement cannot claim one key twice, so the batch runs in rounds of
+/// distinct keys: a later copy of a key sees what the earlier one left, as if it had come
+/// after it.
+async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statements>) {
+    let client = match pool.get().await {
+        Ok(client) => client,
+        Err(error) => return fail_all(batch, &record_error(error)),
+    };
+    while !batch.is_empty() {
+        let mut round = Vec::new();
+        let mut later = Vec::new();
+        for waiter in batch {
+            if round
+                .iter()
+                .any(|(request, _): &Waiter| request.key == waiter.0.key)
+            {
+                later.push(waiter);
+            } else {
+                round.push(waiter);
+            }
+        }
+        let requests: Vec<ClaimRequest> = round.iter().map(|(request, _)| request.clone()).collect();
+        match claim_batch(&client, &statements, &requests, RecordStatus::Processing).await {
+            Ok(answers) => {
+                for ((_, reply), answer) in round.into_iter().zip(answers) {
+                    // A caller that gave up (its future was dropped) no longer needs the answer.
+                    let _ = reply.send(Ok(answer));
+                }
+            }
+            Err(error) => {
+                fail_all(round, &error);
+                return fail_all(later, &error);
+            }
+        }
+        batch = later;
+    }
+}
+
+fn fail_all(waiters: Vec<Waiter>, error: &Error) {
+    for (_, reply) in waiters {
+        let _ = reply.send(Err(Error::store(Tier::Record, error.to_string())));
+    }
+}

@@ -1,0 +1,168 @@
+//! The PostgreSQL record tier: the `consumption_record` table on `deadpool-postgres`.
+//!
+//! Two modes:
+//! - **Three-step** ([`PgRecordStore`] under a [`RecordLayer`](crate::record::RecordLayer)),
+//!   for effects outside the database (SMS, HTTP calls): insert `PROCESSING` with a lease,
+//!   run the handler, then mark `SUCCESS` or `FAILURE`. Claims from concurrent deliveries
+//!   can be coalesced into one multi-row statement ([`PgRecordStore::with_coalescing`]). A
+//!   crash between the effect and `SUCCESS` leaves a `PROCESSING` row: the [`Reconciler`]
+//!   asks your checker whether the effect happened and settles it.
+//! - **Transactional** ([`PgTransactionalLayer`]), for effects in the same database: the
+//!   record insert and the handler's own writes commit in one transaction, so the effect and
+//!   "processed" can never disagree. This is the mode that makes effects exactly-once.
+//!
+//! The table comes from [`migrate`](crate::postgres::migrate); its name is configurable and
+//! validated, and every value is a bound parameter.
+
+mod coalesce;
+mod reconciler;
+mod sql;
+mod transactional;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+
+use self::coalesce::Coalescer;
+pub use self::reconciler::{EffectCheck, ReconcileReport, Reconciler};
+use self::sql::{ClaimRequest, Statements, claim_batch, read_record, record_error};
+pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalService};
+use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
+use crate::envelope::{BusinessKey, Fingerprint};
+use crate::error::Error;
+use crate::postgres::Table;
+
+/// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
+///
+/// Each call takes a connection from the pool for one statement (two when a claim finds
+/// the key taken). With [coalescing](PgRecordStore::with_coalescing), claims made within a
+/// short window share one statement and one round trip.
+#[derive(Clone)]
+pub struct PgRecordStore {
+    pool: Pool,
+    table: Table,
+    statements: Arc<Statements>,
+    coalescer: Option<Coalescer>,
+}
+
+impl PgRecordStore {
+    /// A store on `pool` using the record table `table` (create it with
+    /// [`migrate`](crate::postgres::migrate)). Each claim is its own statement.
+    pub fn new(pool: Pool, table: Table) -> Self {
+        PgRecordStore {
+            statements: Statements::new(&table),
+            pool,
+            table,
+            coalescer: None,
+        }
+    }
+
+    /// Batches the claims of concurrent deliveries into one multi-row statement: a batch
+    /// closes when it holds `max_rows` claims or `max_wait` after its first claim, whichever
+    /// comes first; batches run concurrently, each on its own pooled connection. A single
+    /// delivery waits at most `max_wait` longer; many in flight share round trips.
+    ///
+    /// Starts a background task on the current Tokio runtime, which ends when the last clone
+    /// of the store is dropped.
+    pub fn with_coalescing(mut self, max_rows: usize, max_wait: Duration) -> Self {
+        self.coalescer = Some(Coalescer::spawn(
+            self.pool.clone(),
+            self.statements.clone(),
+            max_rows.max(1),
+            max_wait,
+        ));
+        self
+    }
+
+    /// The record table.
+    pub fn table(&self) -> &Table {
+        &self.table
+    }
+
+    async fn settle(
+        &self,
+        key: &BusinessKey,
+        attempt: u32,
+        status: RecordStatus,
+        error: Option<&str>,
+    ) -> Result<bool, Error> {
+        let client = self.pool.get().await.map_err(record_error)?;
+        let statement = client
+            .prepare_cached(&self.statements.settle)
+            .await
+            .map_err(record_error)?;
+        let retry_count = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
+        let changed = client
+            .execute(
+                &statement,
+                &[&key.as_str(), &retry_count, &status.as_str(), &error],
+            )
+            .await
+            .map_err(record_error)?;
+        Ok(changed == 1)
+    }
+}
+
+impl fmt::Debug for PgRecordStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgRecordStore")
+            .field("table", &self.table)
+            .field("coalescing", &self.coalescer.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RecordStore for PgRecordStore {
+    async fn begin(
+        &self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        fencing_token: Option<u64>,
+    ) -> Result<Begin, Error> {
+        let request = ClaimRequest {
+            key: key.clone(),
+            fingerprint,
+            fencing_token,
+            lease: Some(lease),
+        };
+        if let Some(coalescer) = &self.coalescer {
+            return coalescer.claim(request).await;
+        }
+        let client = self.pool.get().await.map_err(record_error)?;
+        let mut answers =
+            claim_batch(&client, &self.statements, &[request], RecordStatus::Processing).await?;
+        Ok(answers.remove(0))
+    }
+
+    async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, Error> {
+        self.settle(key, attempt, RecordStatus::Success, None).await
+    }
+
+    async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, Error> {
+        self.settle(key, attempt, RecordStatus::Failure, Some(error))
+            .await
+    }
+
+    async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, Error> {
+        let client = self.pool.get().await.map_err(record_error)?;
+        let row = client
+            .query_opt(&self.statements.get, &[&key.as_str()])
+            .await
+            .map_err(record_error)?;
+        row.as_ref().map(read_record).transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sql::to_i64;
+
+    #[test]
+    fn tokens_beyond_i64_saturate_in_order() {
+        assert_eq!(to_i64(7), 7);
+        assert_eq!(to_i64(u64::MAX), i64::MAX);
+    }
+}

@@ -1,0 +1,217 @@
+//! The record tier's statements, rendered once per table.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::tokio_postgres::Row;
+
+use crate::envelope::{BusinessKey, Fingerprint};
+use crate::error::Error;
+use crate::outcome::Tier;
+use crate::postgres::Table;
+use crate::record::store::{Begin, ConsumptionRecord, RecordStatus};
+
+/// The SQL text of every statement, with the table name filled in.
+#[derive(Debug)]
+pub(super) struct Statements {
+    /// Claims a batch of keys: inserts new rows, takes over `FAILURE` rows and `PROCESSING`
+    /// rows past their lease when the fingerprint matches and the fencing token is not older.
+    /// `$1` keys, `$2` fingerprints, `$3` fencing tokens, `$4` lease in ms (NULL: no lease),
+    /// `$5` the status to claim with. Returns the claimed keys with their retry counts.
+    pub(super) claim: String,
+    /// Reads what stopped a claim: status, fingerprint, lease running, fencing token.
+    pub(super) inspect: String,
+    pub(super) settle: String,
+    /// Notes a rolled-back transactional attempt: a `FAILURE` row with the error text and one
+    /// more retry; never touches a row in another status or with another fingerprint.
+    pub(super) note_failure: String,
+    pub(super) get: String,
+}
+
+impl Statements {
+    pub(super) fn new(table: &Table) -> Arc<Self> {
+        Arc::new(Statements {
+            claim: format!(
+                "INSERT INTO {table} AS r (message_key, status, payload_fingerprint, fencing_token, lease_until)
+                 SELECT k, $5, f, t, now() + l * interval '1 millisecond'
+                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[]) AS b(k, f, t, l)
+                 ON CONFLICT (message_key) DO UPDATE
+                 SET status = EXCLUDED.status, retry_count = r.retry_count + 1,
+                     fencing_token = COALESCE(EXCLUDED.fencing_token, r.fencing_token),
+                     lease_until = EXCLUDED.lease_until, updated_at = now()
+                 WHERE r.payload_fingerprint = EXCLUDED.payload_fingerprint
+                   AND (r.status = 'FAILURE' OR (r.status = 'PROCESSING' AND r.lease_until < now()))
+                   AND (r.fencing_token IS NULL OR EXCLUDED.fencing_token IS NULL
+                        OR EXCLUDED.fencing_token >= r.fencing_token)
+                 RETURNING message_key, retry_count"
+            ),
+            inspect: format!(
+                "SELECT message_key, status, payload_fingerprint, COALESCE(lease_until > now(), false), fencing_token
+                 FROM {table} WHERE message_key = ANY($1)"
+            ),
+            settle: format!(
+                "UPDATE {table} SET status = $3, error_details = COALESCE($4, error_details),
+                        lease_until = NULL, updated_at = now()
+                 WHERE message_key = $1 AND status = 'PROCESSING' AND retry_count = $2"
+            ),
+            note_failure: format!(
+                "INSERT INTO {table} AS r (message_key, status, payload_fingerprint, fencing_token, error_details)
+                 VALUES ($1, 'FAILURE', $2, $3, $4)
+                 ON CONFLICT (message_key) DO UPDATE
+                 SET retry_count = r.retry_count + 1, error_details = EXCLUDED.error_details, updated_at = now()
+                 WHERE r.status = 'FAILURE' AND r.payload_fingerprint = EXCLUDED.payload_fingerprint"
+            ),
+            get: format!(
+                "SELECT message_key, status, retry_count, error_details, payload_fingerprint,
+                        created_at, updated_at, fencing_token
+                 FROM {table} WHERE message_key = $1"
+            ),
+        })
+    }
+}
+
+/// One key to claim.
+#[derive(Clone, Debug)]
+pub(super) struct ClaimRequest {
+    pub(super) key: BusinessKey,
+    pub(super) fingerprint: Fingerprint,
+    pub(super) fencing_token: Option<u64>,
+    pub(super) lease: Option<Duration>,
+}
+
+/// Claims `requests` (distinct keys) with one statement, plus one more to inspect the keys
+/// it could not claim. Answers in the order of `requests`.
+pub(super) async fn claim_batch(
+    client: &impl deadpool_postgres::GenericClient,
+    statements: &Statements,
+    requests: &[ClaimRequest],
+    status: RecordStatus,
+) -> Result<Vec<Begin>, Error> {
+    let keys: Vec<&str> = requests.iter().map(|request| request.key.as_str()).collect();
+    let fingerprints: Vec<String> = requests
+        .iter()
+        .map(|request| request.fingerprint.to_string())
+        .collect();
+    let fences: Vec<Option<i64>> = requests
+        .iter()
+        .map(|request| request.fencing_token.map(to_i64))
+        .collect();
+    let leases: Vec<Option<i64>> = requests
+        .iter()
+        .map(|request| request.lease.map(|lease| to_i64(lease.as_millis() as u64)))
+        .collect();
+    let claim = client
+        .prepare_cached(&statements.claim)
+        .await
+        .map_err(record_error)?;
+    let claimed = client
+        .query(
+            &claim,
+            &[&keys, &fingerprints, &fences, &leases, &status.as_str()],
+        )
+        .await
+        .map_err(record_error)?;
+    let mut answers: Vec<Option<Begin>> = vec![None; requests.len()];
+    for row in &claimed {
+        let key: &str = row.get(0);
+        let retry_count: i32 = row.get(1);
+        if let Some(index) = keys.iter().position(|k| *k == key) {
+            answers[index] = Some(Begin::Started {
+                attempt: u32::try_from(retry_count).unwrap_or(0) + 1,
+            });
+        }
+    }
+    let unclaimed: Vec<&str> = keys
+        .iter()
+        .zip(&answers)
+        .filter(|(_, answer)| answer.is_none())
+        .map(|(key, _)| *key)
+        .collect();
+    if !unclaimed.is_empty() {
+        let inspect = client
+            .prepare_cached(&statements.inspect)
+            .await
+            .map_err(record_error)?;
+        for row in client
+            .query(&inspect, &[&unclaimed])
+            .await
+            .map_err(record_error)?
+        {
+            let key: &str = row.get(0);
+            if let Some(index) = keys.iter().position(|k| *k == key) {
+                answers[index] = Some(classify(&row, &requests[index])?);
+            }
+        }
+    }
+    // A key with neither a claim nor a row was deleted in between (a purge): try again later.
+    Ok(answers
+        .into_iter()
+        .map(|answer| answer.unwrap_or(Begin::InProgress))
+        .collect())
+}
+
+/// Why a claim did not take the row.
+fn classify(row: &Row, request: &ClaimRequest) -> Result<Begin, Error> {
+    let status = parse_status(row.get(1))?;
+    let recorded = parse_fingerprint(row.get(2))?;
+    let leased: bool = row.get(3);
+    let recorded_fence: Option<i64> = row.get(4);
+    Ok(if recorded != request.fingerprint {
+        Begin::Conflict { recorded }
+    } else if status == RecordStatus::Success {
+        Begin::Done
+    } else if status == RecordStatus::Processing && leased {
+        Begin::InProgress
+    } else if matches!((request.fencing_token, recorded_fence), (Some(ours), Some(theirs)) if to_i64(ours) < theirs)
+    {
+        Begin::Fenced
+    } else {
+        // Changed between the claim and this read; the retry sees where it stands.
+        Begin::InProgress
+    })
+}
+
+pub(super) fn read_record(row: &Row) -> Result<ConsumptionRecord, Error> {
+    let retry_count: i32 = row.get(2);
+    let created_at: SystemTime = row.get(5);
+    let updated_at: SystemTime = row.get(6);
+    let fencing_token: Option<i64> = row.get(7);
+    Ok(ConsumptionRecord {
+        key: BusinessKey::new(row.get::<_, &str>(0)),
+        status: parse_status(row.get(1))?,
+        attempts: u32::try_from(retry_count).unwrap_or(0) + 1,
+        last_error: row.get(3),
+        fingerprint: parse_fingerprint(row.get(4))?,
+        created_at,
+        updated_at,
+        fencing_token: fencing_token.and_then(|token| u64::try_from(token).ok()),
+    })
+}
+
+fn parse_status(status: &str) -> Result<RecordStatus, Error> {
+    match status {
+        "PROCESSING" => Ok(RecordStatus::Processing),
+        "SUCCESS" => Ok(RecordStatus::Success),
+        "FAILURE" => Ok(RecordStatus::Failure),
+        other => Err(Error::store(
+            Tier::Record,
+            format!("unknown record status {other:?}"),
+        )),
+    }
+}
+
+fn parse_fingerprint(hex: &str) -> Result<Fingerprint, Error> {
+    u128::from_str_radix(hex, 16)
+        .map(Fingerprint::from_u128)
+        .map_err(|_| Error::store(Tier::Record, format!("malformed payload fingerprint {hex:?}")))
+}
+
+/// PostgreSQL has no unsigned 64-bit integer; fencing tokens and leases beyond `i64::MAX`
+/// saturate, which keeps their order.
+pub(super) fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+pub(super) fn record_error<E: std::error::Error + Send + Sync + 'static>(error: E) -> Error {
+    Error::store(Tier::Record, error)
+}
