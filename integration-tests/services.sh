@@ -6,14 +6,16 @@
 # installed, its Debian package is installed first. An address on another machine is only
 # checked: this script never starts or installs anything there.
 #
-# Usage: integration-tests/services.sh [SERVICE...]   (services: redis postgres; default: all)
+# Usage: integration-tests/services.sh [SERVICE...]   (services: redis postgres rabbitmq; default: all)
 # Addresses come from the same variables the tests read:
 #   REDIS_URL     (default redis://127.0.0.1:6379)
 #   DATABASE_URL  (default postgres://postgres@127.0.0.1:5432/test)
+#   AMQP_ADDR     (default amqp://guest:guest@127.0.0.1:5672/%2f)
 set -euo pipefail
 
 REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+AMQP_ADDR="${AMQP_ADDR:-amqp://guest:guest@127.0.0.1:5672/%2f}"
 
 log() { printf 'services: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
@@ -110,12 +112,38 @@ ensure_postgres() {
   log "postgres: up at $host:$port, database ${database:-postgres}"
 }
 
+amqp_answers() {
+  # The AMQP handshake starts with the client's protocol header; a broker that is up answers
+  # with its own connection.start, which begins with frame type 1.
+  local host=$1 port=$2 reply=""
+  { exec 3<>"/dev/tcp/$host/$port"; } 2>/dev/null || return 1
+  printf 'AMQP\x00\x00\x09\x01' >&3
+  reply=$(timeout 2 head -c 1 <&3 | od -An -tu1 | tr -d ' ') || true
+  exec 3>&- 3<&-
+  [[ $reply == 1 ]]
+}
+
+ensure_rabbitmq() {
+  local host port
+  host=$(url_host "$AMQP_ADDR"); port=$(url_port "$AMQP_ADDR" 5672)
+  if amqp_answers "$host" "$port"; then log "rabbitmq: up at $host:$port"; return; fi
+  is_local "$host" || die "rabbitmq: nothing answers at $host:$port, and it is not this machine"
+  command -v rabbitmq-server >/dev/null || apt_install rabbitmq-server
+  if ! amqp_answers "$host" "$port"; then
+    log "rabbitmq: starting"
+    rabbitmq-server -detached >/dev/null 2>&1 || true
+  fi
+  wait_for rabbitmq 120 amqp_answers "$host" "$port"
+  log "rabbitmq: up at $host:$port"
+}
+
 services=("$@")
-[[ ${#services[@]} -gt 0 ]] || services=(redis postgres)
+[[ ${#services[@]} -gt 0 ]] || services=(redis postgres rabbitmq)
 for service in "${services[@]}"; do
   case $service in
     redis) ensure_redis ;;
     postgres) ensure_postgres ;;
+    rabbitmq) ensure_rabbitmq ;;
     *) die "unknown service $service" ;;
   esac
 done

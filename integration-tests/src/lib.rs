@@ -12,6 +12,7 @@
 //! Cases use keys with a random suffix, so they run in parallel against one shared server
 //! and can be rerun without cleaning up.
 
+pub mod amqp;
 pub mod postgres;
 pub mod redis_server;
 pub mod suite;

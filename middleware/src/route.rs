@@ -68,8 +68,12 @@ where
     }
 
     /// Sets how many attempts a delivery gets (default [`DEFAULT_MAX_ATTEMPTS`]). A delivery
-    /// whose attempt number has reached it and that would be retried again is dead-lettered
-    /// with [`DeadLetterReason::AttemptsExhausted`] instead. Values below 1 are read as 1.
+    /// whose attempt number has reached it and that would be retried again because something
+    /// *failed* (the handler, a store, a lost lease) is dead-lettered with
+    /// [`DeadLetterReason::AttemptsExhausted`] instead. Waiting for another delivery of the
+    /// same key or entity (in flight elsewhere, lock busy) is not a failure and never
+    /// exhausts attempts: the other holder's lease bounds that wait. Values below 1 are read
+    /// as 1.
     pub fn with_max_attempts(mut self, max_attempts: u32) -> Self {
         self.max_attempts = max_attempts.max(1);
         self
@@ -110,13 +114,20 @@ where
         .instrument(span.clone())
         .await;
         let outcome = match outcome {
-            Outcome::RetryLater(retry) if attempt >= self.max_attempts => Outcome::dead_letter(
-                DeadLetterReason::AttemptsExhausted,
-                format!("gave up after {attempt} attempts; last: {retry}"),
-            ),
+            Outcome::RetryLater(retry) if attempt >= self.max_attempts && !is_waiting(retry.reason) => {
+                Outcome::dead_letter(
+                    DeadLetterReason::AttemptsExhausted,
+                    format!("gave up after {attempt} attempts; last: {retry}"),
+                )
+            }
             outcome => outcome,
         };
         span.in_scope(|| tracing::debug!(?outcome, "settled"));
         outcome
     }
+}
+
+/// True for retries that wait for another delivery rather than recover from a failure.
+fn is_waiting(reason: RetryReason) -> bool {
+    matches!(reason, RetryReason::InFlight(_) | RetryReason::LockBusy)
 }

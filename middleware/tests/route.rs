@@ -62,3 +62,27 @@ async fn a_permanent_handler_error_is_dead_lettered_at_once() {
     let outcome = route.handle(order("o-1", "A")).await;
     assert_eq!(outcome.dead_letter_reason(), Some(DeadLetterReason::Rejected));
 }
+
+#[tokio::test]
+async fn waiting_for_another_delivery_never_exhausts_attempts() {
+    let flags = oncely::flag::MemoryFlagStore::new();
+    let stack = ServiceBuilder::new()
+        .layer(oncely::flag::FlagLayer::new(
+            flags.clone(),
+            Duration::from_secs(600),
+        ))
+        .service(Effects::default().handler(Duration::ZERO, 0));
+    let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), stack).with_max_attempts(2);
+    // Another consumer holds the key (it crashed, or it is slow): its lease bounds the wait.
+    use oncely::flag::FlagStore;
+    let key = oncely::BusinessKey::new("o-1");
+    flags
+        .claim(&key, oncely::Token::random(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let outcome = route.handle(order("o-1", "A").with_attempt(5)).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::InFlight(oncely::Tier::Flag))
+    );
+}

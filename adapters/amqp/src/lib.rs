@@ -1,8 +1,40 @@
-//! RabbitMQ adapter for [oncely](oncely), on `lapin`.
+//! RabbitMQ adapter for [oncely](oncely), on [lapin].
 //!
-//! Not built yet: this crate reserves the name and the place in the workspace. It will turn
-//! each lapin delivery into an [`oncely::Delivery`], run it through an [`oncely::Route`], and
-//! map the [`oncely::Outcome`] to ack, delayed retry or dead letter
-//! ([`oncely::Outcome::action`]).
+//! A RabbitMQ consumer today is a `basic_consume` loop that acks by hand. With this crate
+//! you keep your connection and queue, put your handler at the bottom of a route's stack,
+//! and hand both to a [`Runner`]:
+//!
+//! ```no_run
+//! # async fn run(route: oncely::Route<oncely::HandlerFn<fn(oncely::Envelope) -> std::future::Ready<Result<(), oncely::HandlerError>>>>) -> Result<(), oncely_amqp::Error> {
+//! use oncely_amqp::{Runner, Topology};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! let connection = lapin::Connection::connect("amqp://127.0.0.1:5672/%2f", Default::default()).await?;
+//! let channel = connection.create_channel().await?;
+//! let topology = Topology::new("orders");
+//! topology.declare(&channel).await?;
+//! Runner::new(route, topology).run(&channel, &CancellationToken::new()).await
+//! # }
+//! ```
+//!
+//! The adapter is thin: it converts deliveries ([`to_delivery`]) and maps each
+//! [`oncely::Outcome`] to the broker — ack, a delayed retry through a TTL queue, or the
+//! dead-letter queue with the reason in `x-oncely-reason`. The [`Producer`] publishes with
+//! confirms and retries under the same message id.
 
+mod convert;
+mod error;
+mod producer;
+mod runner;
+mod topology;
+
+pub use convert::{ATTEMPT_HEADER, to_delivery};
+pub use error::Error;
+pub use producer::{DEFAULT_KEY_HEADER, Producer};
+pub use runner::{
+    ATTEMPTS_HEADER, ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER, REASON_HEADER, Runner,
+};
+pub use topology::Topology;
+
+pub use lapin;
 pub use oncely;

@@ -1,0 +1,110 @@
+//! RabbitMQ for the tests: connections on `AMQP_ADDR`, queues of each test's own, and the
+//! stock-deduction route the tests and the consumer process share.
+
+use std::convert::Infallible;
+
+use deadpool_postgres::Pool;
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
+use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::postgres::Table;
+use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::{Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
+use oncely_amqp::Topology;
+use redis::aio::ConnectionManager;
+use std::time::Duration;
+use tower::ServiceBuilder;
+
+/// The RabbitMQ the tests use: `AMQP_ADDR`, or `amqp://guest:guest@127.0.0.1:5672/%2f`.
+pub fn amqp_addr() -> String {
+    std::env::var("AMQP_ADDR").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A connection to `AMQP_ADDR`.
+pub async fn connect() -> Result<Connection, lapin::Error> {
+    Connection::connect(&amqp_addr(), ConnectionProperties::default()).await
+}
+
+/// The topology of `queue` with the tests' short retry delays (100 ms, 300 ms).
+pub fn test_topology(queue: &str) -> Topology {
+    Topology::new(queue).with_retry_delays([Duration::from_millis(100), Duration::from_millis(300)])
+}
+
+/// [`test_topology`] on a fresh queue name.
+pub fn scratch_topology(name: &str) -> Topology {
+    test_topology(&format!("oncely-test-{name}-{}", oncely::Token::random()))
+}
+
+/// How many messages are ready in `queue`.
+pub async fn ready_messages(channel: &Channel, queue: &str) -> u32 {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+        .map(|queue| queue.message_count())
+        .unwrap_or(0)
+}
+
+/// Takes every message from `queue` (acking them), for inspection.
+pub async fn drain(channel: &Channel, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
+    let mut messages = Vec::new();
+    while let Ok(Some(message)) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+    {
+        messages.push(message);
+    }
+    messages
+}
+
+/// The stock-deduction route: keyed by the body's `/orderId`, through the Redis flag and the
+/// PostgreSQL record in transactional mode, to a handler that inserts one `stock_moves` row
+/// per order in the record's transaction. `pool`'s connections must search the schema
+/// holding `stock_moves` first.
+pub fn orders_route(
+    pool: Pool,
+    records: Table,
+    flags: RedisFlagStore<ConnectionManager>,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send> + Clone + Send + Sync,
+> {
+    let handler = handler_fn(|envelope: Envelope| async move {
+        let tx = envelope
+            .extensions()
+            .get::<PgTransaction>()
+            .expect("the transactional record tier")
+            .clone();
+        tx.client()
+            .execute(
+                "INSERT INTO stock_moves (order_id) VALUES ($1)",
+                &[&envelope.key().as_str()],
+            )
+            .await?;
+        Ok::<(), HandlerError>(())
+    });
+    let stack = ServiceBuilder::new()
+        .layer(
+            FlagLayer::new(flags, Duration::from_secs(600))
+                .with_lease(Duration::from_secs(5))
+                .with_in_flight_delay(Duration::from_millis(100)),
+        )
+        .layer(PgTransactionalLayer::new(pool, records))
+        .service(handler);
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// A pool whose connections search `schema` first.
+pub fn schema_pool(schema: &str, size: usize) -> Pool {
+    let url = crate::postgres::database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let config: deadpool_postgres::tokio_postgres::Config =
+        format!("{url}{separator}options=-csearch_path%3D{schema}")
+            .parse()
+            .expect("a valid DATABASE_URL");
+    let manager = deadpool_postgres::Manager::new(config, deadpool_postgres::tokio_postgres::NoTls);
+    Pool::builder(manager).max_size(size).build().expect("a pool")
+}

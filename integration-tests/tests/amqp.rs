@@ -1,0 +1,429 @@
+//! The RabbitMQ adapter against a real RabbitMQ, Redis and PostgreSQL: duplicates over
+//! concurrent consumers, a consumer process killed mid-run, poison, retries and exhausted
+//! attempts. Each test declares its own queues and deletes them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use integration_tests::amqp::{connect, drain, orders_route, ready_messages, schema_pool, scratch_topology};
+use integration_tests::postgres::{ScratchSchema, pool};
+use integration_tests::{redis_connection, redis_url, unique};
+use lapin::types::AMQPValue;
+use oncely::flag::RedisFlagStore;
+use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
+use oncely_amqp::{ATTEMPTS_HEADER, Producer, REASON_HEADER, Runner, Topology};
+use tokio_util::sync::CancellationToken;
+
+fn order_body(order: usize) -> Vec<u8> {
+    format!(
+        r#"{{"orderId":"order_{order}","sku":"sku_{}","quantity":1}}"#,
+        order % 50
+    )
+    .into_bytes()
+}
+
+/// Publishes `orders` distinct orders plus 30 % more copies: half of the copies are
+/// producer retries (same message id), half are re-sent orders (new id, same business key).
+async fn publish_with_duplicates(producer: &Producer, queue: &str, orders: usize) -> usize {
+    let mut ids = Vec::with_capacity(orders);
+    for order in 0..orders {
+        ids.push(
+            producer
+                .publish("", queue, &order_body(order), None)
+                .await
+                .expect("publish"),
+        );
+    }
+    let copies = orders * 3 / 10;
+    for copy in 0..copies {
+        let order = (copy * 7919) % orders;
+        if copy % 2 == 0 {
+            producer
+                .publish_with_id(&ids[order], "", queue, &order_body(order), None)
+                .await
+                .expect("re-publish");
+        } else {
+            producer
+                .publish("", queue, &order_body(order), None)
+                .await
+                .expect("re-send");
+        }
+    }
+    orders + copies
+}
+
+/// Waits until `done` holds, checking every 100 ms, for at most `limit`.
+async fn wait_until<F, Fut>(limit: Duration, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(Instant::now() < deadline, "not done within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+struct OrdersFixture {
+    schema: ScratchSchema,
+    topology: Topology,
+    prefix: String,
+}
+
+impl OrdersFixture {
+    async fn new(name: &str) -> Self {
+        let schema = ScratchSchema::new(&pool(2)).await;
+        schema
+            .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)")
+            .await;
+        let topology = scratch_topology(name);
+        let channel = connect().await.unwrap().create_channel().await.unwrap();
+        topology.declare(&channel).await.unwrap();
+        OrdersFixture {
+            schema,
+            topology,
+            prefix: unique("oncely-test"),
+        }
+    }
+
+    async fn moves(&self) -> i64 {
+        self.schema.count("SELECT count(*) FROM stock_moves").await
+    }
+
+    async fn assert_each_order_once(&self, orders: usize) {
+        assert_eq!(self.moves().await, orders as i64, "every order applied");
+        let doubled = self
+            .schema
+            .count("SELECT count(*) FROM (SELECT order_id FROM stock_moves GROUP BY order_id HAVING count(*) > 1) d")
+            .await;
+        assert_eq!(doubled, 0, "no order applied twice");
+        let recorded = self
+            .schema
+            .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
+            .await;
+        assert_eq!(recorded, orders as i64);
+    }
+
+    async fn teardown(self) {
+        let channel = connect().await.unwrap().create_channel().await.unwrap();
+        self.topology.delete(&channel).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_thousand_messages_with_thirty_percent_duplicates_over_four_consumers_apply_each_order_once() {
+    const ORDERS: usize = 3_850;
+    let fixture = OrdersFixture::new("dedup").await;
+    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(fixture.prefix.clone());
+    let route = orders_route(
+        schema_pool(fixture.schema.name(), 16),
+        fixture.schema.records(),
+        flags,
+    );
+
+    let producer = Producer::new(connect().await.unwrap());
+    let published = publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
+    assert!(published >= 5_000, "{published}");
+
+    let shutdown = CancellationToken::new();
+    let connection = connect().await.unwrap();
+    let mut consumers = Vec::new();
+    for _ in 0..4 {
+        let channel = connection.create_channel().await.unwrap();
+        let runner = Runner::new(route.clone(), fixture.topology.clone()).with_prefetch(32);
+        let shutdown = shutdown.clone();
+        consumers.push(tokio::spawn(async move { runner.run(&channel, &shutdown).await }));
+    }
+    let watch = connection.create_channel().await.unwrap();
+    wait_until(Duration::from_secs(120), || async {
+        fixture.moves().await >= ORDERS as i64 && ready_messages(&watch, fixture.topology.queue()).await == 0
+    })
+    .await;
+    // Let the in-flight copies settle, then stop gracefully.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    for consumer in consumers {
+        consumer.await.unwrap().expect("the runner stops cleanly");
+    }
+    fixture.assert_each_order_once(ORDERS).await;
+    assert!(
+        drain(&watch, &fixture.topology.dead_letter_queue())
+            .await
+            .is_empty(),
+        "nothing dead-lettered"
+    );
+    fixture.teardown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twice() {
+    const ORDERS: usize = 1_500;
+    let fixture = OrdersFixture::new("sigkill").await;
+    let producer = Producer::new(connect().await.unwrap());
+    publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
+
+    let start = || {
+        ConsumerProcess(
+            std::process::Command::new(env!("CARGO_BIN_EXE_amqp_consumer"))
+                .args([fixture.topology.queue(), fixture.schema.name(), &fixture.prefix])
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("the consumer process starts"),
+        )
+    };
+    let consumer = start();
+    wait_until(Duration::from_secs(60), || async {
+        fixture.moves().await >= (ORDERS / 3) as i64
+    })
+    .await;
+    drop(consumer);
+    let at_kill = fixture.moves().await;
+    assert!(at_kill < ORDERS as i64, "killed before the end ({at_kill})");
+
+    let consumer = start();
+    let watch = connect().await.unwrap().create_channel().await.unwrap();
+    wait_until(Duration::from_secs(120), || async {
+        fixture.moves().await >= ORDERS as i64 && ready_messages(&watch, fixture.topology.queue()).await == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(consumer);
+    fixture.assert_each_order_once(ORDERS).await;
+    fixture.teardown().await;
+}
+
+/// A consumer process, killed with SIGKILL when dropped — also when the test fails.
+struct ConsumerProcess(std::process::Child);
+
+impl Drop for ConsumerProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> Option<String> {
+    let headers = message.delivery.properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
+        AMQPValue::LongLongInt(number) => Some(number.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+/// A route whose handler fails with a transient error on its first `failures` runs and
+/// records the attempt numbers it saw.
+fn flaky_route(
+    failures: u32,
+    attempts_seen: Arc<std::sync::Mutex<Vec<u32>>>,
+    max_attempts: u32,
+) -> Route<
+    impl tower::Service<Envelope, Response = oncely::Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync,
+> {
+    let runs = Arc::new(AtomicU32::new(0));
+    let handler = handler_fn(move |envelope: Envelope| {
+        let (runs, attempts_seen) = (runs.clone(), attempts_seen.clone());
+        async move {
+            attempts_seen.lock().unwrap().push(envelope.delivery().attempt());
+            if runs.fetch_add(1, Ordering::SeqCst) < failures {
+                return Err(HandlerError::transient("downstream unavailable"));
+            }
+            Ok(())
+        }
+    });
+    Route::new("flaky", KeyExtractor::json_pointer("/orderId"), handler).with_max_attempts(max_attempts)
+}
+
+async fn run_until<S>(route: Route<S>, topology: &Topology, done: impl AsyncFn() -> bool)
+where
+    S: tower::Service<Envelope, Response = oncely::Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let shutdown = CancellationToken::new();
+    let channel = connect().await.unwrap().create_channel().await.unwrap();
+    let runner = Runner::new(route, topology.clone());
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { runner.run(&channel, &shutdown).await })
+    };
+    wait_until(Duration::from_secs(30), || done()).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
+    let topology = scratch_topology("poison");
+    let connection = connect().await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    topology.declare(&channel).await.unwrap();
+    let producer = Producer::new(connect().await.unwrap());
+    for body in [&b"not json"[..], br#"{"sku":"no order id"}"#, b"\xff\xfe"] {
+        producer.publish("", topology.queue(), body, None).await.unwrap();
+    }
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dlq = topology.dead_letter_queue();
+    run_until(flaky_route(0, seen.clone(), 16), &topology, async || {
+        ready_messages(&channel, &dlq).await == 3
+    })
+    .await;
+
+    let dead = drain(&channel, &dlq).await;
+    assert_eq!(dead.len(), 3);
+    for message in &dead {
+        let reason = header_text(message, REASON_HEADER).expect("a reason header");
+        assert!(reason.starts_with("invalid_key: "), "{reason}");
+        assert_eq!(
+            header_text(message, "x-oncely-original-routing-key").as_deref(),
+            Some(topology.queue())
+        );
+    }
+    assert!(seen.lock().unwrap().is_empty(), "the handler never saw poison");
+    topology.delete(&channel).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_retry_is_redelivered_after_its_delay_and_processed_once() {
+    let topology = scratch_topology("retry");
+    let connection = connect().await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    topology.declare(&channel).await.unwrap();
+    let producer = Producer::new(connect().await.unwrap());
+    producer
+        .publish("", topology.queue(), &order_body(1), None)
+        .await
+        .unwrap();
+
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let started = Instant::now();
+    let seen_in = seen.clone();
+    run_until(flaky_route(1, seen.clone(), 16), &topology, async || {
+        seen_in.lock().unwrap().len() >= 2
+    })
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(100),
+        "the retry waited in the 100 ms queue"
+    );
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![1, 2],
+        "first delivery, then the retry as attempt 2"
+    );
+    assert_eq!(ready_messages(&channel, &topology.dead_letter_queue()).await, 0);
+    topology.delete(&channel).await.unwrap();
+}
+
+#[tokio::test]
+async fn exhausted_attempts_go_to_the_dead_letter_queue() {
+    let topology = scratch_topology("exhausted");
+    let connection = connect().await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    topology.declare(&channel).await.unwrap();
+    let producer = Producer::new(connect().await.unwrap());
+    producer
+        .publish("", topology.queue(), &order_body(1), None)
+        .await
+        .unwrap();
+
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dlq = topology.dead_letter_queue();
+    run_until(flaky_route(u32::MAX, seen.clone(), 3), &topology, async || {
+        ready_messages(&channel, &dlq).await == 1
+    })
+    .await;
+    let dead = drain(&channel, &dlq).await;
+    let reason = header_text(&dead[0], REASON_HEADER).unwrap();
+    assert!(reason.starts_with("attempts_exhausted: "), "{reason}");
+    assert_eq!(header_text(&dead[0], ATTEMPTS_HEADER).as_deref(), Some("3"));
+    assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
+    topology.delete(&channel).await.unwrap();
+}
+
+#[tokio::test]
+async fn the_producer_refuses_to_drop_an_unroutable_message() {
+    let producer = Producer::new(connect().await.unwrap()).with_max_attempts(1);
+    let queue = format!("oncely-test-missing-{}", oncely::Token::random());
+    let error = producer.publish("", &queue, b"{}", None).await.unwrap_err();
+    assert!(error.to_string().contains("no queue takes messages"), "{error}");
+}
+
+/// Closes the broker side of the connection named `name`, as a network failure or a broker
+/// operator would.
+fn close_connection_named(name: &str) -> bool {
+    let listed = std::process::Command::new("rabbitmqctl")
+        .args(["list_connections", "-q", "pid", "client_properties"])
+        .output()
+        .expect("rabbitmqctl on PATH");
+    let listing = String::from_utf8_lossy(&listed.stdout);
+    let Some(pid) = listing
+        .lines()
+        .find(|line| line.contains(name))
+        .and_then(|line| line.split_whitespace().next())
+    else {
+        return false;
+    };
+    std::process::Command::new("rabbitmqctl")
+        .args(["close_connection", pid, "oncely test: connection dropped"])
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dropped_connection_is_reconnected_and_consumption_resumes() {
+    const ORDERS: usize = 600;
+    let fixture = OrdersFixture::new("reconnect").await;
+    let producer = Producer::new(connect().await.unwrap());
+    publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
+
+    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(fixture.prefix.clone());
+    let route = orders_route(
+        schema_pool(fixture.schema.name(), 8),
+        fixture.schema.records(),
+        flags,
+    );
+    let name = format!("oncely-reconnect-{}", oncely::Token::random());
+    let connections = Arc::new(AtomicU32::new(0));
+    let runner = Runner::new(route, fixture.topology.clone())
+        .with_prefetch(4)
+        .with_concurrency(2);
+    let shutdown = CancellationToken::new();
+    let running = {
+        let (shutdown, name, connections) = (shutdown.clone(), name.clone(), connections.clone());
+        tokio::spawn(async move {
+            let connect = || {
+                connections.fetch_add(1, Ordering::SeqCst);
+                let properties =
+                    lapin::ConnectionProperties::default().with_connection_name(name.as_str().into());
+                let address = integration_tests::amqp::amqp_addr();
+                async move { lapin::Connection::connect(&address, properties).await }
+            };
+            runner.run_with_reconnect(connect, &shutdown).await
+        })
+    };
+    wait_until(Duration::from_secs(60), || async { fixture.moves().await >= 100 }).await;
+    assert!(
+        close_connection_named(&name),
+        "the runner's connection was listed and closed"
+    );
+    let watch = connect().await.unwrap().create_channel().await.unwrap();
+    wait_until(Duration::from_secs(120), || async {
+        fixture.moves().await >= ORDERS as i64 && ready_messages(&watch, fixture.topology.queue()).await == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    running.await.unwrap();
+    assert!(
+        connections.load(Ordering::SeqCst) >= 2,
+        "the runner connected again"
+    );
+    fixture.assert_each_order_once(ORDERS).await;
+    fixture.teardown().await;
+}
