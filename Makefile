@@ -24,7 +24,8 @@ fmt:
 lint:
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
-## Detects, starts or installs the services the integration tests need (Redis).
+## Detects, starts or installs the services the integration tests need (Redis, PostgreSQL,
+## RabbitMQ).
 services:
 	integration-tests/services.sh
 

@@ -1,13 +1,16 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench -- [TIER...]`).
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
-//! run, and prints a table per tier with the ratio. Tiers: `redis`, `postgres`.
+//! run, and prints a table per tier with the ratio. Tiers: `redis`, `postgres`, `amqp`.
 //!
 //! - `redis`: flag claims next to raw `SET NX PX`, on a `redis-server` the bench starts
 //!   itself on a free port and empties before every measurement, so each starts from the
 //!   same empty keyspace and the machine's shared Redis is left alone.
 //! - `postgres`: three-step record claims, single-row next to coalesced, on `DATABASE_URL`
 //!   in a schema of the bench's own, dropped afterwards.
+//! - `amqp`: end-to-end messages per second through the RabbitMQ runner with no tiers, with
+//!   the Redis flag, and with the flag and the PostgreSQL record (transactional), next to a
+//!   raw lapin consumer with the same prefetch that acks each message from its own task.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,8 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use integration_tests::postgres::{ScratchSchema, pool};
-use integration_tests::redis_connection;
 use integration_tests::redis_server::ScratchRedis;
+use integration_tests::{redis_connection, unique};
 use oncely::flag::{FlagStore, RedisFlagStore};
 use oncely::record::{PgRecordStore, RecordStore};
 use oncely::{BusinessKey, Fingerprint, Token};
@@ -239,6 +242,205 @@ async fn bench_postgres() -> f64 {
     rows[0].per_second / rows[0].baseline
 }
 
+/// Messages per AMQP measurement, published before the clock starts.
+const AMQP_MESSAGES: usize = 10_000;
+/// Prefetch, and so messages in flight, of every AMQP consumer measured.
+const AMQP_PREFETCH: u16 = 64;
+
+/// Fills a fresh queue of `topology` with `AMQP_MESSAGES` orders never seen before
+/// (unconfirmed publishes, then a wait until the broker counts them all).
+async fn fill(channel: &lapin::Channel, topology: &oncely_amqp::Topology) {
+    topology.declare(channel).await.expect("declare");
+    let batch = Token::random();
+    for n in 0..AMQP_MESSAGES {
+        let body = format!(r#"{{"orderId":"{batch}-{n}"}}"#);
+        let _ = channel
+            .basic_publish(
+                "".into(),
+                topology.queue().into(),
+                Default::default(),
+                body.as_bytes(),
+                Default::default(),
+            )
+            .await
+            .expect("publish");
+    }
+    while (integration_tests::amqp::ready_messages(channel, topology.queue()).await as usize) < AMQP_MESSAGES
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Consumes a full queue with a plain lapin loop that acks every delivery from its own task.
+async fn raw_consumer(channel: &lapin::Channel, queue: &str) -> f64 {
+    use futures_lite::StreamExt;
+    channel
+        .basic_qos(AMQP_PREFETCH, Default::default())
+        .await
+        .expect("qos");
+    let mut consumer = channel
+        .basic_consume(queue.into(), "raw".into(), Default::default(), Default::default())
+        .await
+        .expect("consume");
+    let acked = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut received = 0;
+    while received < AMQP_MESSAGES {
+        let delivery = consumer.next().await.expect("a delivery").expect("a delivery");
+        received += 1;
+        let acked = acked.clone();
+        tokio::spawn(async move {
+            delivery.acker.ack(Default::default()).await.expect("ack");
+            acked.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+    while (acked.load(Ordering::Relaxed) as usize) < AMQP_MESSAGES {
+        tokio::task::yield_now().await;
+    }
+    let rate = AMQP_MESSAGES as f64 / started.elapsed().as_secs_f64();
+    let _ = channel.basic_cancel("raw".into(), Default::default()).await;
+    rate
+}
+
+/// Consumes a full queue through a runner of `route`, counting settled deliveries with the
+/// handler's own counter.
+async fn runner_consumer<S>(
+    channel: &lapin::Channel,
+    topology: &oncely_amqp::Topology,
+    route: oncely::Route<S>,
+    handled: Arc<AtomicU64>,
+) -> f64
+where
+    S: tower::Service<oncely::Envelope, Response = oncely::Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let runner = oncely_amqp::Runner::new(route, topology.clone())
+        .with_prefetch(AMQP_PREFETCH)
+        .with_concurrency(AMQP_PREFETCH.into());
+    let started = Instant::now();
+    let running = {
+        let (channel, shutdown) = (channel.clone(), shutdown.clone());
+        tokio::spawn(async move { runner.run(&channel, &shutdown).await })
+    };
+    while (handled.load(Ordering::Relaxed) as usize) < AMQP_MESSAGES
+        || integration_tests::amqp::ready_messages(channel, topology.queue()).await > 0
+    {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let rate = AMQP_MESSAGES as f64 / started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    running.await.expect("the runner task").expect("the runner");
+    rate
+}
+
+async fn bench_amqp() -> f64 {
+    use oncely::flag::{FlagLayer, RedisFlagStore};
+    use oncely::record::{PgTransaction, PgTransactionalLayer};
+    use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
+    use tower::ServiceBuilder;
+
+    let connection = integration_tests::amqp::connect().await.expect("RabbitMQ");
+    let channel = connection.create_channel().await.expect("a channel");
+    let redis = ScratchRedis::start();
+    let pool = pool(16);
+    let schema = ScratchSchema::new(&pool).await;
+    let schema_pool = integration_tests::amqp::schema_pool(schema.name(), 16);
+    schema
+        .execute("CREATE TABLE moves (order_id TEXT NOT NULL)")
+        .await;
+    let key = || KeyExtractor::json_pointer("/orderId");
+    let counting = |handled: Arc<AtomicU64>| {
+        handler_fn(move |_: Envelope| {
+            handled.fetch_add(1, Ordering::Relaxed);
+            async { Ok::<(), HandlerError>(()) }
+        })
+    };
+
+    let mut results: Vec<(&'static str, Vec<f64>)> = [
+        "raw lapin consumer",
+        "runner, no tiers",
+        "runner, Redis flag",
+        "runner, Redis flag + PostgreSQL record",
+    ]
+    .map(|name| (name, Vec::new()))
+    .to_vec();
+    for _ in 0..3 {
+        for (variant, (_, rates)) in results.iter_mut().enumerate() {
+            let topology = integration_tests::amqp::scratch_topology("bench");
+            fill(&channel, &topology).await;
+            let handled = Arc::new(AtomicU64::new(0));
+            let flags =
+                RedisFlagStore::new(redis_connection(&redis.url()).await).with_prefix(unique("bench"));
+            let flag = FlagLayer::new(flags, Duration::from_secs(600));
+            let rate = match variant {
+                0 => raw_consumer(&channel, topology.queue()).await,
+                1 => {
+                    runner_consumer(
+                        &channel,
+                        &topology,
+                        Route::new("bench", key(), counting(handled.clone())),
+                        handled,
+                    )
+                    .await
+                }
+                2 => {
+                    let stack = ServiceBuilder::new()
+                        .layer(flag)
+                        .service(counting(handled.clone()));
+                    runner_consumer(&channel, &topology, Route::new("bench", key(), stack), handled).await
+                }
+                _ => {
+                    let recorded = handled.clone();
+                    let handler = handler_fn(move |envelope: Envelope| {
+                        let recorded = recorded.clone();
+                        async move {
+                            let tx = envelope
+                                .extensions()
+                                .get::<PgTransaction>()
+                                .expect("a transaction")
+                                .clone();
+                            tx.client()
+                                .execute(
+                                    "INSERT INTO moves (order_id) VALUES ($1)",
+                                    &[&envelope.key().as_str()],
+                                )
+                                .await?;
+                            recorded.fetch_add(1, Ordering::Relaxed);
+                            Ok::<(), HandlerError>(())
+                        }
+                    });
+                    let stack = ServiceBuilder::new()
+                        .layer(flag)
+                        .layer(PgTransactionalLayer::new(schema_pool.clone(), schema.records()))
+                        .service(handler);
+                    runner_consumer(&channel, &topology, Route::new("bench", key(), stack), handled).await
+                }
+            };
+            rates.push(rate);
+            topology.delete(&channel).await.expect("delete the bench queues");
+        }
+    }
+    let raw = median(results[0].1.clone());
+    let rows: Vec<Row> = results
+        .into_iter()
+        .skip(1)
+        .map(|(what, rates)| Row {
+            what,
+            in_flight: usize::from(AMQP_PREFETCH),
+            per_second: median(rates),
+            baseline: raw,
+        })
+        .collect();
+    print_table(
+        &format!("RabbitMQ end to end ({AMQP_MESSAGES} messages, prefetch {AMQP_PREFETCH})"),
+        "raw lapin consumer, msgs",
+        &rows,
+    );
+    rows[1].per_second / rows[1].baseline
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let tiers: Vec<String> = std::env::args().skip(1).collect();
@@ -256,6 +458,12 @@ async fn main() -> ExitCode {
         let ratio = bench_postgres().await;
         summary.push(format!(
             "PostgreSQL coalesced claims at 64 in flight: {ratio:.2}× single-row (target ≥ 10×)"
+        ));
+    }
+    if wanted("amqp") {
+        let ratio = bench_amqp().await;
+        summary.push(format!(
+            "RabbitMQ runner with the Redis flag: {ratio:.2}× a raw lapin consumer (target ≥ 0.70×)"
         ));
     }
     println!();
