@@ -254,16 +254,20 @@ async fn fill(channel: &lapin::Channel, topology: &oncely_amqp::Topology) {
     let batch = Token::random();
     for n in 0..AMQP_MESSAGES {
         let body = format!(r#"{{"orderId":"{batch}-{n}"}}"#);
-        let _ = channel
-            .basic_publish(
-                "".into(),
-                topology.queue().into(),
-                Default::default(),
-                body.as_bytes(),
-                Default::default(),
-            )
-            .await
-            .expect("publish");
+        // Unconfirmed on purpose: filling is not measured, and the wait below counts what
+        // the broker stored.
+        drop(
+            channel
+                .basic_publish(
+                    "".into(),
+                    topology.queue().into(),
+                    Default::default(),
+                    body.as_bytes(),
+                    Default::default(),
+                )
+                .await
+                .expect("publish"),
+        );
     }
     while (integration_tests::amqp::ready_messages(channel, topology.queue()).await as usize) < AMQP_MESSAGES
     {
