@@ -96,15 +96,3 @@ pub fn orders_route(
         .service(handler);
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
-
-/// A pool whose connections search `schema` first.
-pub fn schema_pool(schema: &str, size: usize) -> Pool {
-    let url = crate::postgres::database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let config: deadpool_postgres::tokio_postgres::Config =
-        format!("{url}{separator}options=-csearch_path%3D{schema}")
-            .parse()
-            .expect("a valid DATABASE_URL");
-    let manager = deadpool_postgres::Manager::new(config, deadpool_postgres::tokio_postgres::NoTls);
-    Pool::builder(manager).max_size(size).build().expect("a pool")
-}

@@ -11,7 +11,19 @@ pub fn database_url() -> String {
 
 /// A pool of up to `size` connections to `DATABASE_URL`.
 pub fn pool(size: usize) -> Pool {
-    let config: Config = database_url().parse().expect("a valid DATABASE_URL");
+    pool_on(&database_url(), size)
+}
+
+/// A pool of up to `size` connections to `DATABASE_URL` that search `schema` first, so
+/// handlers write their tables unqualified.
+pub fn schema_pool(schema: &str, size: usize) -> Pool {
+    let url = database_url();
+    let separator = if url.contains('?') { '&' } else { '?' };
+    pool_on(&format!("{url}{separator}options=-csearch_path%3D{schema}"), size)
+}
+
+fn pool_on(url: &str, size: usize) -> Pool {
+    let config: Config = url.parse().expect("a valid DATABASE_URL");
     let manager = Manager::from_config(
         config,
         NoTls,

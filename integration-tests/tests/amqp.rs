@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use integration_tests::amqp::{connect, drain, orders_route, ready_messages, schema_pool, scratch_topology};
+use integration_tests::amqp::{connect, drain, orders_route, ready_messages, scratch_topology};
+use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::{redis_connection, redis_url, unique};
 use lapin::types::AMQPValue;
@@ -257,16 +258,22 @@ where
     running.await.unwrap().unwrap();
 }
 
-#[tokio::test]
-async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
-    let topology = scratch_topology("poison");
-    let connection = connect().await.unwrap();
-    let channel = connection.create_channel().await.unwrap();
+/// A fresh topology holding `bodies`, and a channel to inspect it with.
+async fn queue_with(name: &str, bodies: &[&[u8]]) -> (Topology, lapin::Channel) {
+    let topology = scratch_topology(name);
+    let channel = connect().await.unwrap().create_channel().await.unwrap();
     topology.declare(&channel).await.unwrap();
     let producer = Producer::new(connect().await.unwrap());
-    for body in [&b"not json"[..], br#"{"sku":"no order id"}"#, b"\xff\xfe"] {
+    for body in bodies {
         producer.publish("", topology.queue(), body, None).await.unwrap();
     }
+    (topology, channel)
+}
+
+#[tokio::test]
+async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
+    let poison: [&[u8]; 3] = [b"not json", br#"{"sku":"no order id"}"#, b"\xff\xfe"];
+    let (topology, channel) = queue_with("poison", &poison).await;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let dlq = topology.dead_letter_queue();
     run_until(flaky_route(0, seen.clone(), 16), &topology, async || {
@@ -290,15 +297,7 @@ async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
 
 #[tokio::test]
 async fn a_retry_is_redelivered_after_its_delay_and_processed_once() {
-    let topology = scratch_topology("retry");
-    let connection = connect().await.unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    topology.declare(&channel).await.unwrap();
-    let producer = Producer::new(connect().await.unwrap());
-    producer
-        .publish("", topology.queue(), &order_body(1), None)
-        .await
-        .unwrap();
+    let (topology, channel) = queue_with("retry", &[&order_body(1)]).await;
 
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let started = Instant::now();
@@ -322,15 +321,7 @@ async fn a_retry_is_redelivered_after_its_delay_and_processed_once() {
 
 #[tokio::test]
 async fn exhausted_attempts_go_to_the_dead_letter_queue() {
-    let topology = scratch_topology("exhausted");
-    let connection = connect().await.unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    topology.declare(&channel).await.unwrap();
-    let producer = Producer::new(connect().await.unwrap());
-    producer
-        .publish("", topology.queue(), &order_body(1), None)
-        .await
-        .unwrap();
+    let (topology, channel) = queue_with("exhausted", &[&order_body(1)]).await;
 
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let dlq = topology.dead_letter_queue();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use integration_tests::postgres::{ScratchSchema, pool};
+use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
 use oncely::postgres::StatusColumns;
 use oncely::record::{
     Begin, PgRecordStore, PgTransaction, PgTransactionalLayer, ReconcileReport, Reconciler, RecordStatus,
@@ -102,19 +102,6 @@ async fn transactional_route(
         .service(deduct_stock(fail));
     let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
     (schema, pool, route)
-}
-
-/// A pool whose connections search `schema_name` first.
-fn schema_pool(schema_name: &str, size: usize) -> deadpool_postgres::Pool {
-    let url = integration_tests::postgres::database_url();
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let url = format!("{url}{separator}options=-csearch_path%3D{schema_name}");
-    let config: deadpool_postgres::tokio_postgres::Config = url.parse().unwrap();
-    let manager = deadpool_postgres::Manager::new(config, deadpool_postgres::tokio_postgres::NoTls);
-    deadpool_postgres::Pool::builder(manager)
-        .max_size(size)
-        .build()
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

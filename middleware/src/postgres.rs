@@ -163,18 +163,8 @@ impl StatusColumns {
         from: &[&str],
         to: &str,
     ) -> Result<bool, Error> {
-        let sql = format!(
-            "UPDATE {table} SET {status} = $3, {version} = {version} + 1 WHERE {id} = $1 AND {status} = ANY($2)",
-            table = self.table,
-            status = self.status,
-            version = self.version,
-            id = self.id,
-        );
-        let changed = client
-            .execute(&sql, &[id, &from, &to])
-            .await
-            .map_err(|error| Error::store(Tier::Handler, error))?;
-        Ok(changed == 1)
+        let sql = self.update_where(&format!("{} = ANY($2)", self.status));
+        changed_one(client, &sql, &[id, &from, &to]).await
     }
 
     /// Sets row `id` to status `to` only if its version is still `expected_version`, and bumps
@@ -186,19 +176,32 @@ impl StatusColumns {
         expected_version: i64,
         to: &str,
     ) -> Result<bool, Error> {
-        let sql = format!(
-            "UPDATE {table} SET {status} = $3, {version} = {version} + 1 WHERE {id} = $1 AND {version} = $2",
+        let sql = self.update_where(&format!("{} = $2", self.version));
+        changed_one(client, &sql, &[id, &expected_version, &to]).await
+    }
+
+    /// `UPDATE … SET status = $3, version = version + 1 WHERE id = $1 AND {condition}`.
+    fn update_where(&self, condition: &str) -> String {
+        format!(
+            "UPDATE {table} SET {status} = $3, {version} = {version} + 1 WHERE {id} = $1 AND {condition}",
             table = self.table,
             status = self.status,
             version = self.version,
             id = self.id,
-        );
-        let changed = client
-            .execute(&sql, &[id, &expected_version, &to])
-            .await
-            .map_err(|error| Error::store(Tier::Handler, error))?;
-        Ok(changed == 1)
+        )
     }
+}
+
+async fn changed_one(
+    client: &impl GenericClient,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<bool, Error> {
+    let changed = client
+        .execute(sql, params)
+        .await
+        .map_err(|error| Error::store(Tier::Handler, error))?;
+    Ok(changed == 1)
 }
 
 pub(crate) fn store_error<E: std::error::Error + Send + Sync + 'static>(tier: Tier) -> impl Fn(E) -> Error {

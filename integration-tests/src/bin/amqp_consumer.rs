@@ -4,7 +4,8 @@
 //! One consumer process of the stock-deduction route: four runners on the queue, through
 //! the Redis flag and the PostgreSQL record in transactional mode, until it is killed.
 
-use integration_tests::amqp::{connect, orders_route, schema_pool, test_topology};
+use integration_tests::amqp::{connect, orders_route, test_topology};
+use integration_tests::postgres::schema_pool;
 use integration_tests::{redis_connection, redis_url};
 use oncely::flag::RedisFlagStore;
 use oncely::postgres::Table;

@@ -350,7 +350,7 @@ async fn bench_amqp() -> f64 {
     let redis = ScratchRedis::start();
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    let schema_pool = integration_tests::amqp::schema_pool(schema.name(), 16);
+    let schema_pool = integration_tests::postgres::schema_pool(schema.name(), 16);
     schema
         .execute("CREATE TABLE moves (order_id TEXT NOT NULL)")
         .await;
