@@ -10,7 +10,7 @@
 //! broker:
 //!
 //! ```text
-//! delivery ─▶ Route (business key) ─▶ lock ─▶ state guard ─▶ flag ─▶ record ─▶ handler
+//! delivery ─▶ Route (business key) ─▶ flag ─▶ lock ─▶ state guard ─▶ record ─▶ handler
 //!                  │                                                              │
 //!                  └──────────────────────── Outcome ◀────────────────────────────┘
 //! ```
