@@ -9,8 +9,8 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::postgres::Table;
-use oncely::record::{PgTransaction, PgTransactionalLayer};
-use oncely::{Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
+use oncely::record::PgTransactionalLayer;
+use oncely::{Envelope, KeyExtractor, Outcome, Route, handler_fn};
 use oncely_amqp::Topology;
 use redis::aio::ConnectionManager;
 use std::time::Duration;
@@ -72,20 +72,8 @@ pub fn orders_route(
 ) -> Route<
     impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send> + Clone + Send + Sync,
 > {
-    let handler = handler_fn(|envelope: Envelope| async move {
-        let tx = envelope
-            .extensions()
-            .get::<PgTransaction>()
-            .expect("the transactional record tier")
-            .clone();
-        tx.client()
-            .execute(
-                "INSERT INTO stock_moves (order_id) VALUES ($1)",
-                &[&envelope.key().as_str()],
-            )
-            .await?;
-        Ok::<(), HandlerError>(())
-    });
+    let handler =
+        handler_fn(|envelope: Envelope| async move { crate::postgres::insert_stock_move(&envelope).await });
     let stack = ServiceBuilder::new()
         .layer(
             FlagLayer::new(flags, Duration::from_secs(600))

@@ -3,6 +3,8 @@
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use oncely::postgres::Table;
+use oncely::record::PgTransaction;
+use oncely::{Envelope, HandlerError};
 
 /// The PostgreSQL the tests use: `DATABASE_URL`, or `postgres://postgres@127.0.0.1:5432/test`.
 pub fn database_url() -> String {
@@ -118,4 +120,21 @@ impl Drop for ScratchSchema {
         })
         .join();
     }
+}
+
+/// The business effect of the tests' stock-deduction handlers: one `stock_moves` row for the
+/// envelope's key, written in the transaction the record tier hands on.
+pub async fn insert_stock_move(envelope: &Envelope) -> Result<(), HandlerError> {
+    let tx = envelope
+        .extensions()
+        .get::<PgTransaction>()
+        .expect("the transactional record tier in front")
+        .clone();
+    tx.client()
+        .execute(
+            "INSERT INTO stock_moves (order_id) VALUES ($1)",
+            &[&envelope.key().as_str()],
+        )
+        .await?;
+    Ok(())
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
+use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
 use oncely::postgres::StatusColumns;
 use oncely::record::{
     Begin, PgRecordStore, PgTransaction, PgTransactionalLayer, ReconcileReport, Reconciler, RecordStatus,
@@ -59,17 +59,7 @@ fn deduct_stock(
     handler_fn(move |envelope: Envelope| {
         let (fail, call) = (fail.clone(), calls.fetch_add(1, Ordering::SeqCst));
         async move {
-            let tx = envelope
-                .extensions()
-                .get::<PgTransaction>()
-                .expect("the transactional layer")
-                .clone();
-            tx.client()
-                .execute(
-                    "INSERT INTO stock_moves (order_id) VALUES ($1)",
-                    &[&envelope.key().as_str()],
-                )
-                .await?;
+            insert_stock_move(&envelope).await?;
             if fail(call) {
                 return Err(HandlerError::transient("payment service timed out"));
             }
