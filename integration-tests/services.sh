@@ -6,16 +6,24 @@
 # installed, its Debian package is installed first. An address on another machine is only
 # checked: this script never starts or installs anything there.
 #
-# Usage: integration-tests/services.sh [SERVICE...]   (services: redis postgres rabbitmq; default: all)
+# Usage: integration-tests/services.sh [SERVICE...]
+#   services: redis postgres rabbitmq rocketmq; default: redis postgres rabbitmq (what the
+#   tests need today; rocketmq only when asked, since a first install builds it for ~25-60 min)
 # Addresses come from the same variables the tests read:
 #   REDIS_URL     (default redis://127.0.0.1:6379)
 #   DATABASE_URL  (default postgres://postgres@127.0.0.1:5432/test)
 #   AMQP_ADDR     (default amqp://guest:guest@127.0.0.1:5672/%2f)
+#   ROCKETMQ_NAMESRV (default 127.0.0.1:9876)
+# RocketMQ's Rust name server and broker are built once into ONCELY_CACHE (default
+# ~/.cache/oncely), outside any clone, and reused.
 set -euo pipefail
 
 REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 AMQP_ADDR="${AMQP_ADDR:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+ROCKETMQ_NAMESRV="${ROCKETMQ_NAMESRV:-127.0.0.1:9876}"
+ONCELY_CACHE="${ONCELY_CACHE:-$HOME/.cache/oncely}"
+ROCKETMQ_VERSION=1.0.0
 
 log() { printf 'services: %s\n' "$*" >&2; }
 die() { log "$*"; exit 1; }
@@ -137,6 +145,54 @@ ensure_rabbitmq() {
   log "rabbitmq: up at $host:$port"
 }
 
+ensure_rocketmq() {
+  local host=${ROCKETMQ_NAMESRV%:*} port=${ROCKETMQ_NAMESRV##*:}
+  if tcp_open "$host" "$port" && tcp_open "$host" 10911; then log "rocketmq: up at $host:$port"; return; fi
+  is_local "$host" || die "rocketmq: nothing answers at $host:$port, and it is not this machine"
+  local root="$ONCELY_CACHE/rocketmq-$ROCKETMQ_VERSION" run="${TMPDIR:-/tmp}/oncely-rocketmq"
+  if [[ ! -x $root/bin/rocketmq-broker-rust || ! -x $root/bin/rocketmq-namesrv-rust ]]; then
+    log "rocketmq: building the name server and broker $ROCKETMQ_VERSION into $root (once; long)"
+    cargo install --locked --quiet --root "$root" "rocketmq-namesrv@$ROCKETMQ_VERSION" "rocketmq-broker@$ROCKETMQ_VERSION"
+  fi
+  mkdir -p "$run/conf" "$run/store"
+  if ! tcp_open "$host" "$port"; then
+    log "rocketmq: starting the name server on $host:$port"
+    setsid "$root/bin/rocketmq-namesrv-rust" --bindAddress 127.0.0.1 --rocketmqHome "$run" \
+      >"$run/namesrv.log" 2>&1 </dev/null &
+    wait_for rocketmq-namesrv 60 tcp_open "$host" "$port"
+  fi
+  if ! tcp_open 127.0.0.1 10911; then
+    cat >"$run/conf/broker.toml" <<TOML
+[broker]
+namesrvAddr = "$host:$port"
+brokerIp1 = "127.0.0.1"
+listenPort = 10911
+storePathRootDir = "$run/store"
+
+[broker.brokerServerConfig]
+bindAddress = "127.0.0.1"
+
+[broker.brokerIdentity]
+brokerName = "oncely-broker"
+brokerClusterName = "DefaultCluster"
+brokerId = 0
+
+[store]
+storeType = "LocalFile"
+brokerRole = "ASYNC_MASTER"
+storePathRootDir = "$run/store"
+haListenAddress = "127.0.0.1"
+haListenPort = 10912
+TOML
+    log "rocketmq: starting the broker on 127.0.0.1:10911"
+    ROCKETMQ_HOME="$run" ROCKETMQ_SECURITY_PROFILE=development-insecure-loopback \
+      setsid "$root/bin/rocketmq-broker-rust" -c "$run/conf/broker.toml" -n "$host:$port" \
+      >"$run/broker.log" 2>&1 </dev/null &
+    wait_for rocketmq-broker 60 tcp_open 127.0.0.1 10911
+  fi
+  log "rocketmq: up at $host:$port (broker 127.0.0.1:10911; logs and store in $run)"
+}
+
 services=("$@")
 [[ ${#services[@]} -gt 0 ]] || services=(redis postgres rabbitmq)
 for service in "${services[@]}"; do
@@ -144,6 +200,7 @@ for service in "${services[@]}"; do
     redis) ensure_redis ;;
     postgres) ensure_postgres ;;
     rabbitmq) ensure_rabbitmq ;;
+    rocketmq) ensure_rocketmq ;;
     *) die "unknown service $service" ;;
   esac
 done
