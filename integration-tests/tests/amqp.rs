@@ -418,3 +418,83 @@ async fn a_dropped_connection_is_reconnected_and_consumption_resumes() {
     fixture.assert_each_order_once(ORDERS).await;
     fixture.teardown().await;
 }
+
+/// A route whose handler takes `work` and counts the runs that finished.
+fn slow_route(
+    work: Duration,
+    finished: Arc<AtomicU32>,
+) -> Route<
+    impl tower::Service<Envelope, Response = oncely::Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync,
+> {
+    let handler = handler_fn(move |_: Envelope| {
+        let finished = finished.clone();
+        async move {
+            tokio::time::sleep(work).await;
+            finished.fetch_add(1, Ordering::SeqCst);
+            Ok::<(), HandlerError>(())
+        }
+    });
+    Route::new("slow", KeyExtractor::json_pointer("/orderId"), handler)
+}
+
+/// Starts a runner with `grace` on a fresh connection, cancels it once the handler is busy,
+/// and returns after the runner stopped and its connection closed.
+async fn stop_while_busy(topology: &Topology, work: Duration, grace: Duration, finished: Arc<AtomicU32>) {
+    let connection = connect().await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let runner = Runner::new(slow_route(work, finished), topology.clone()).with_shutdown_grace(grace);
+    let shutdown = CancellationToken::new();
+    let running = {
+        let (channel, shutdown) = (channel.clone(), shutdown.clone());
+        tokio::spawn(async move { runner.run(&channel, &shutdown).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    connection.close(200, "test done".into()).await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_deliveries_finish_within_the_grace_and_abandons_the_rest() {
+    let (topology, channel) = queue_with("shutdown", &[&order_body(1)]).await;
+
+    // Within the grace: the handler finishes and the delivery is acked.
+    let finished = Arc::new(AtomicU32::new(0));
+    stop_while_busy(
+        &topology,
+        Duration::from_millis(700),
+        Duration::from_secs(5),
+        finished.clone(),
+    )
+    .await;
+    assert_eq!(finished.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        ready_messages(&channel, topology.queue()).await,
+        0,
+        "acked before the runner stopped"
+    );
+
+    // Beyond the grace: the delivery is abandoned unacked and comes back.
+    let producer = Producer::new(connect().await.unwrap());
+    producer
+        .publish("", topology.queue(), &order_body(2), None)
+        .await
+        .unwrap();
+    let finished = Arc::new(AtomicU32::new(0));
+    stop_while_busy(
+        &topology,
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+        finished.clone(),
+    )
+    .await;
+    assert_eq!(finished.load(Ordering::SeqCst), 0);
+    wait_until(Duration::from_secs(5), || async {
+        ready_messages(&channel, topology.queue()).await == 1
+    })
+    .await;
+    topology.delete(&channel).await.unwrap();
+}

@@ -12,7 +12,7 @@ use lapin::options::{
     BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
+use lapin::{Channel, Connection, Consumer};
 use oncely::{BoxError, BrokerAction, Envelope, Outcome, Route};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -107,11 +107,8 @@ where
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await?;
-        // Retry and dead-letter copies are published on this channel and must be confirmed
-        // before the original is acked.
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
         let tag = format!("oncely-{}", oncely::Token::random());
-        let mut consumer = channel
+        let consumer = channel
             .basic_consume(
                 self.topology.queue().into(),
                 tag.as_str().into(),
@@ -119,6 +116,22 @@ where
                 FieldTable::default(),
             )
             .await?;
+        self.run_consumer(channel, consumer, shutdown).await
+    }
+
+    /// Like [`run`](Runner::run), on a consumer you started yourself on `channel` (with your
+    /// own `basic.qos`, consumer tag and arguments). It must consume the topology's work queue
+    /// without `no_ack`; the runner settles every delivery.
+    pub async fn run_consumer(
+        &self,
+        channel: &Channel,
+        mut consumer: Consumer,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error> {
+        // Retry and dead-letter copies are published on this channel and must be confirmed
+        // before the original is acked.
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        let tag = consumer.tag();
         let permits = Arc::new(Semaphore::new(self.concurrency));
         let mut in_flight = JoinSet::new();
         let ended = loop {
