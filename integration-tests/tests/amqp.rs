@@ -498,3 +498,48 @@ async fn shutdown_lets_in_flight_deliveries_finish_within_the_grace_and_abandons
     .await;
     topology.delete(&channel).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producer_resends_under_the_same_id_after_losing_its_connection() {
+    let (topology, channel) = queue_with("resend", &[]).await;
+    let name = format!("oncely-producer-{}", oncely::Token::random());
+    let properties = lapin::ConnectionProperties::default()
+        .with_connection_name(name.as_str().into())
+        .enable_auto_recover();
+    let connection = lapin::Connection::connect(&integration_tests::amqp::amqp_addr(), properties)
+        .await
+        .unwrap();
+    let producer = Producer::new(connection)
+        .with_confirm_timeout(Duration::from_secs(2))
+        .with_max_attempts(20);
+    producer
+        .publish("", topology.queue(), &order_body(1), None)
+        .await
+        .unwrap();
+
+    assert!(
+        close_connection_named(&name),
+        "the producer's connection was closed by the broker"
+    );
+    let id = producer
+        .publish("", topology.queue(), &order_body(2), Some("order_2"))
+        .await
+        .expect("resent until confirmed");
+
+    wait_until(Duration::from_secs(10), || async {
+        ready_messages(&channel, topology.queue()).await >= 2
+    })
+    .await;
+    let messages = drain(&channel, topology.queue()).await;
+    let second: Vec<_> = messages
+        .iter()
+        .filter(|m| m.delivery.properties.message_id().as_ref().map(|id| id.as_str()) == Some(id.as_str()))
+        .collect();
+    assert!(!second.is_empty(), "the message after the drop arrived");
+    assert_eq!(
+        header_text(second[0], oncely_amqp::DEFAULT_KEY_HEADER).as_deref(),
+        Some("order_2"),
+        "with its business-key header"
+    );
+    topology.delete(&channel).await.unwrap();
+}
