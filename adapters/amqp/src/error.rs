@@ -33,8 +33,9 @@ pub enum Error {
 }
 
 impl Error {
-    /// True when trying again (after reconnecting, for a lost connection) may succeed.
+    /// True when trying again (after reconnecting, for a lost connection) may succeed. An
+    /// unroutable message stays unroutable until someone binds a queue for it.
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, Error::PublishGaveUp { .. })
+        !matches!(self, Error::PublishGaveUp { .. } | Error::Unroutable { .. })
     }
 }

@@ -116,6 +116,7 @@ impl Producer {
             };
             match sent.await {
                 Ok(()) => return Ok(()),
+                Err(last) if !last.is_retryable() => return Err(last),
                 Err(last) if attempt >= self.max_attempts => {
                     return Err(Error::PublishGaveUp {
                         attempts: attempt,

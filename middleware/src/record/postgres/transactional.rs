@@ -209,7 +209,8 @@ where
                         discard(client);
                         return Ok(unavailable(format!("commit failed: {error}")));
                     }
-                    release(client);
+                    // Dropping the last handle returns the connection to the pool.
+                    drop(client);
                 }
                 Some(failure) => {
                     finish(client, "ROLLBACK").await;
@@ -224,17 +225,12 @@ where
 /// Ends the transaction; a connection that cannot is not returned to the pool.
 async fn finish(client: Arc<Object>, statement: &str) {
     match client.batch_execute(statement).await {
-        Ok(()) => release(client),
+        Ok(()) => drop(client),
         Err(error) => {
             tracing::warn!(%error, statement, "could not end the record transaction; dropping the connection");
             discard(client);
         }
     }
-}
-
-/// Returns the connection to the pool (when the handler kept no copy of the transaction).
-fn release(client: Arc<Object>) {
-    drop(client);
 }
 
 /// Drops the connection instead of returning it to the pool: its transaction state is
