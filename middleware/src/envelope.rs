@@ -39,6 +39,16 @@ impl Source {
     }
 }
 
+/// Where a delivery sits in the broker's log: RocketMQ's queue id and queue offset. AMQP
+/// queues have no addressable position, so AMQP deliveries carry none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Position {
+    /// The queue (partition) within the topic.
+    pub queue: u32,
+    /// The message's offset within that queue.
+    pub offset: u64,
+}
+
 /// Message headers (AMQP headers, RocketMQ user properties) as raw bytes by name.
 ///
 /// Values are bytes because brokers do not promise UTF-8; a key read from a header is
@@ -86,6 +96,8 @@ impl Headers {
 pub struct Delivery {
     message_id: Option<String>,
     broker_key: Option<Bytes>,
+    tags: Option<String>,
+    position: Option<Position>,
     headers: Headers,
     body: Bytes,
     attempt: u32,
@@ -100,6 +112,8 @@ impl Delivery {
         Delivery {
             message_id: None,
             broker_key: None,
+            tags: None,
+            position: None,
             headers: Headers::new(),
             body: body.into(),
             attempt: 1,
@@ -118,6 +132,18 @@ impl Delivery {
     /// Sets the broker's key field (RocketMQ `KEYS`).
     pub fn with_broker_key(mut self, key: impl Into<Bytes>) -> Self {
         self.broker_key = Some(key.into());
+        self
+    }
+
+    /// Sets the broker's tags (RocketMQ `TAGS`), which subscriptions filter on.
+    pub fn with_tags(mut self, tags: impl Into<String>) -> Self {
+        self.tags = Some(tags.into());
+        self
+    }
+
+    /// Sets where the delivery sits in the broker's log.
+    pub fn with_position(mut self, position: Position) -> Self {
+        self.position = Some(position);
         self
     }
 
@@ -159,6 +185,16 @@ impl Delivery {
     /// The broker's key field (RocketMQ `KEYS`), if any.
     pub fn broker_key(&self) -> Option<&Bytes> {
         self.broker_key.as_ref()
+    }
+
+    /// The broker's tags (RocketMQ `TAGS`), if any.
+    pub fn tags(&self) -> Option<&str> {
+        self.tags.as_deref()
+    }
+
+    /// Where the delivery sits in the broker's log, when the broker has positions.
+    pub fn position(&self) -> Option<Position> {
+        self.position
     }
 
     /// The headers or user properties.

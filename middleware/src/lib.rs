@@ -81,7 +81,9 @@ mod service;
 pub mod state_guard;
 mod token;
 
-pub use envelope::{Broker, BusinessKey, Delivery, Envelope, Extensions, Fingerprint, Headers, Source};
+pub use envelope::{
+    Broker, BusinessKey, Delivery, Envelope, Extensions, Fingerprint, Headers, Position, Source,
+};
 pub use error::{BoxError, Error};
 pub use handler::{HandlerError, HandlerFn, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
