@@ -1,8 +1,58 @@
-//! RocketMQ adapter for [oncely](oncely), on `rocketmq-client-rust`.
+//! RocketMQ adapter for [oncely](oncely), on `rocketmq-client-rust` 1.0.
 //!
-//! Not built yet: this crate reserves the name and the place in the workspace. It will wrap
-//! a route in `MessageListenerConcurrently` and `MessageListenerOrderly` implementations that
-//! turn each `MessageExt` into an [`oncely::Delivery`] and map the [`oncely::Outcome`] to
-//! `ConsumeSuccess`, `ReconsumeLater` or a dead-letter topic ([`oncely::Outcome::action`]).
+//! A RocketMQ consumer today registers a `MessageListenerConcurrently` (or
+//! `MessageListenerOrderly`) on a `DefaultMQPushConsumer` and returns `ConsumeSuccess` or
+//! `ReconsumeLater` by hand. With this crate you keep the consumer and register a wrapper
+//! that runs a route's stack instead:
+//!
+//! ```no_run
+//! # async fn run(route: oncely::Route<oncely::HandlerFn<fn(oncely::Envelope) -> std::future::Ready<Result<(), oncely::HandlerError>>>>) -> Result<(), oncely_rocketmq::Error> {
+//! use std::sync::Arc;
+//!
+//! use oncely_rocketmq::{ConcurrentListener, DeadLetterTopic, OwnedClientRuntime};
+//! use rocketmq_client_rust::{DefaultMQProducer, DefaultMQPushConsumer, MQPushConsumer};
+//!
+//! let runtime = OwnedClientRuntime::new("points")?;
+//! let mut producer = DefaultMQProducer::builder(runtime.client_runtime())
+//!     .producer_group("points-dead-letters".to_string())
+//!     .name_server_addr("127.0.0.1:9876".to_string())
+//!     .build();
+//! producer.start().await?;
+//! let dead_letters = DeadLetterTopic::new(Arc::new(producer), "points_dead_letters");
+//!
+//! let mut consumer = DefaultMQPushConsumer::builder(runtime.client_runtime())
+//!     .consumer_group("points".to_string())
+//!     .name_server_addr("127.0.0.1:9876".to_string())
+//!     .build();
+//! consumer.subscribe("payments", "*").await?;
+//! consumer.register_message_listener_concurrently(ConcurrentListener::new(
+//!     route,
+//!     tokio::runtime::Handle::current(),
+//!     dead_letters,
+//! ));
+//! consumer.start().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The adapter is thin: it converts messages ([`to_delivery`]) and maps each
+//! [`oncely::Outcome`] to a listener status — success, the broker's retry, or a copy on a
+//! [`DeadLetterTopic`] with the reason in [`REASON_PROPERTY`] and its siblings.
+
+mod convert;
+mod dead_letter;
+mod error;
+mod listener;
+mod runtime;
+
+pub use convert::to_delivery;
+pub use dead_letter::{
+    ATTEMPTS_PROPERTY, DETAIL_PROPERTY, DeadLetterTopic, MAX_DETAIL_CHARS, ORIGINAL_MESSAGE_ID_PROPERTY,
+    ORIGINAL_TOPIC_PROPERTY, REASON_PROPERTY, ROUTE_PROPERTY,
+};
+pub use error::Error;
+pub use listener::{ConcurrentListener, OrderlyListener};
+pub use runtime::OwnedClientRuntime;
 
 pub use oncely;
+pub use rocketmq_client_rust;
+pub use rocketmq_model;

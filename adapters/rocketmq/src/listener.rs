@@ -1,0 +1,208 @@
+//! Listener wrappers: a route's stack behind RocketMQ's listener traits.
+
+use std::time::Duration;
+
+use oncely::{BoxError, BrokerAction, Envelope, Outcome, Route};
+use rocketmq_client_rust::{
+    ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus, ConsumeOrderlyContext,
+    ConsumeOrderlyStatus, MessageListenerConcurrently, MessageListenerOrderly,
+};
+use rocketmq_model::common::message::message_ext::MessageExt;
+use tokio::runtime::Handle;
+use tower_service::Service;
+
+use crate::convert::to_delivery;
+use crate::dead_letter::DeadLetterTopic;
+
+/// A [`MessageListenerConcurrently`] that runs each message through a route's stack.
+///
+/// | outcome | status returned |
+/// |---|---|
+/// | processed, duplicate, stale | `ConsumeSuccess` |
+/// | retry later | `ReconsumeLater`: the broker's retry topic brings the message back with reconsume times + 1 (after 10 s, 30 s, 1 min, … by its delay levels), and after the consumer's maxReconsumeTimes moves it to its own `%DLQ%<group>` |
+/// | dead letter | the copy goes to the [`DeadLetterTopic`] with the reason; once the broker stored it, `ConsumeSuccess`; if that send fails, `ReconsumeLater` |
+///
+/// A batch (`consume_message_batch_max_size` > 1) is settled as one, as RocketMQ's status
+/// is per batch: every message of it is run, and if any needs a retry, the whole batch comes
+/// back; the ones already done then answer `Duplicate`. A dead letter written for such a
+/// batch may be written again when the batch returns.
+///
+/// Set the route's [`max attempts`](Route::with_max_attempts) at or below the consumer's
+/// maxReconsumeTimes + 1 (16 + 1 by default) so that a message failing for good reaches the
+/// dead-letter topic with `attempts_exhausted` rather than the broker's `%DLQ%` without a
+/// reason. Waiting for another consumer of the same key never exhausts the route's attempts,
+/// but each such retry counts toward the broker's maxReconsumeTimes.
+///
+/// RocketMQ's client calls listeners synchronously on its own blocking threads. The stack
+/// runs on the Tokio runtime given here — the one your Redis and PostgreSQL connections live
+/// on — with [`Handle::block_on`]; the listener must therefore not be called from inside
+/// an async task, which the client never does.
+pub struct ConcurrentListener<S> {
+    settler: Settler<S>,
+}
+
+/// A [`MessageListenerOrderly`] that runs each message through a route's stack, in queue
+/// order.
+///
+/// Outcomes map as for [`ConcurrentListener`], except that a retry returns
+/// `SuspendCurrentQueueAMoment`: the client holds the queue and redelivers the same message
+/// (reconsume times + 1) before any later one, after the delay a tier suggests or the
+/// consumer's `suspend_current_queue_time_millis`. Messages of a batch run in order and stop
+/// at the first one that needs a retry, so none overtakes it.
+///
+/// Put a state-machine guard in the stack for events that must apply in order; stale ones
+/// (an older state arriving after a newer one) are acknowledged, not applied.
+pub struct OrderlyListener<S> {
+    settler: Settler<S>,
+}
+
+impl<S> ConcurrentListener<S>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    /// A listener running `route` on `runtime`, dead-lettering to `dead_letters`.
+    pub fn new(route: Route<S>, runtime: Handle, dead_letters: DeadLetterTopic) -> Self {
+        ConcurrentListener {
+            settler: Settler {
+                route,
+                runtime,
+                dead_letters,
+            },
+        }
+    }
+}
+
+impl<S> OrderlyListener<S>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    /// A listener running `route` on `runtime`, dead-lettering to `dead_letters`.
+    pub fn new(route: Route<S>, runtime: Handle, dead_letters: DeadLetterTopic) -> Self {
+        OrderlyListener {
+            settler: Settler {
+                route,
+                runtime,
+                dead_letters,
+            },
+        }
+    }
+}
+
+impl<S> MessageListenerConcurrently for ConcurrentListener<S>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    fn consume_message(
+        &self,
+        messages: &[&MessageExt],
+        _context: &ConsumeConcurrentlyContext,
+    ) -> ClientResult<ConsumeConcurrentlyStatus> {
+        let settler = &self.settler;
+        let retry = settler.runtime.block_on(async {
+            let mut retry = false;
+            for message in messages {
+                retry |= matches!(settler.settle(message).await, Settled::Retry { .. });
+            }
+            retry
+        });
+        Ok(if retry {
+            ConsumeConcurrentlyStatus::ReconsumeLater
+        } else {
+            ConsumeConcurrentlyStatus::ConsumeSuccess
+        })
+    }
+}
+
+impl<S> MessageListenerOrderly for OrderlyListener<S>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    fn consume_message(
+        &self,
+        messages: &[&MessageExt],
+        context: &mut ConsumeOrderlyContext,
+    ) -> ClientResult<ConsumeOrderlyStatus> {
+        let settler = &self.settler;
+        let retry = settler.runtime.block_on(async {
+            for message in messages {
+                if let Settled::Retry { delay } = settler.settle(message).await {
+                    return Some(delay);
+                }
+            }
+            None
+        });
+        Ok(match retry {
+            None => ConsumeOrderlyStatus::Success,
+            Some(delay) => {
+                if let Some(delay) = delay {
+                    let millis = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+                    context.set_suspend_current_queue_time_millis(millis);
+                }
+                ConsumeOrderlyStatus::SuspendCurrentQueueAMoment
+            }
+        })
+    }
+}
+
+/// What became of one message.
+enum Settled {
+    /// Acknowledge it: done, a duplicate, stale, or dead-lettered and stored.
+    Done,
+    /// Bring it back, after `delay` when a tier suggested one.
+    Retry { delay: Option<Duration> },
+}
+
+/// The conversion and outcome mapping both listeners share.
+struct Settler<S> {
+    route: Route<S>,
+    runtime: Handle,
+    dead_letters: DeadLetterTopic,
+}
+
+impl<S> Settler<S>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    async fn settle(&self, message: &MessageExt) -> Settled {
+        let delivery = to_delivery(message);
+        let topic = delivery.source().name.clone();
+        let attempt = delivery.attempt();
+        let outcome = self.route.handle(delivery).await;
+        let route = self.route.name();
+        tracing::debug!(route, topic, %outcome, "settled");
+        if let Outcome::DeadLetter(reason) = &outcome {
+            return match self
+                .dead_letters
+                .publish(message, &topic, route, attempt, reason)
+                .await
+            {
+                Ok(()) => {
+                    let dead_letter_topic = self.dead_letters.topic();
+                    tracing::warn!(route, topic, dead_letter_topic, %reason, "dead-lettered");
+                    Settled::Done
+                }
+                Err(error) => {
+                    tracing::error!(route, topic, %error, "dead letter not stored; the message will be retried");
+                    Settled::Retry { delay: None }
+                }
+            };
+        }
+        match outcome.action() {
+            BrokerAction::Ack => Settled::Done,
+            BrokerAction::Retry { delay } => Settled::Retry { delay },
+            // Only `Outcome::DeadLetter` dead-letters, handled above; what is not settled is
+            // never acknowledged.
+            BrokerAction::DeadLetter => Settled::Retry { delay: None },
+        }
+    }
+}
