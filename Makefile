@@ -25,7 +25,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
 ## Detects, starts or installs the services the integration tests need (Redis, PostgreSQL,
-## RabbitMQ).
+## RabbitMQ, RocketMQ's Rust name server and broker).
 services:
 	integration-tests/services.sh
 

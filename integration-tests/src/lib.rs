@@ -13,11 +13,13 @@
 //! and can be rerun without cleaning up.
 
 pub mod amqp;
+pub mod outcomes;
 pub mod postgres;
 pub mod redis_server;
+pub mod rocketmq;
 pub mod suite;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
@@ -45,4 +47,17 @@ pub async fn redis_connection(url: &str) -> ConnectionManager {
 /// A key unique to this test run: `name` plus a random suffix.
 pub fn unique(name: &str) -> String {
     format!("{name}-{}", oncely::Token::random())
+}
+
+/// Waits until `done` holds, checking every 100 ms; panics after `limit`.
+pub async fn wait_until<F, Fut>(limit: Duration, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !done().await {
+        assert!(Instant::now() < deadline, "not done within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

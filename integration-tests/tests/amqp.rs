@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use integration_tests::amqp::{connect, drain, orders_route, ready_messages, scratch_topology};
 use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
-use integration_tests::{redis_connection, redis_url, unique};
+use integration_tests::{redis_connection, redis_url, unique, wait_until};
 use lapin::types::AMQPValue;
 use oncely::flag::RedisFlagStore;
 use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
@@ -52,19 +52,6 @@ async fn publish_with_duplicates(producer: &Producer, queue: &str, orders: usize
         }
     }
     orders + copies
-}
-
-/// Waits until `done` holds, checking every 100 ms, for at most `limit`.
-async fn wait_until<F, Fut>(limit: Duration, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !done().await {
-        assert!(Instant::now() < deadline, "not done within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 struct OrdersFixture {

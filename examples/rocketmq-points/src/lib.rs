@@ -1,0 +1,67 @@
+//! Run with: the `credit-points` and `send-payments` binaries of this crate; see `examples/README.md`.
+//!
+//! What the two binaries share: connection settings, topics, the database schema, and the
+//! client runtime and producer they both start.
+
+use std::sync::Arc;
+
+use deadpool_postgres::tokio_postgres::{Config, NoTls};
+use deadpool_postgres::{Manager, Pool};
+use oncely_rocketmq::OwnedClientRuntime;
+use oncely_rocketmq::rocketmq_client_rust::DefaultMQProducer;
+
+/// The topic payment-success messages arrive on.
+pub const TOPIC: &str = "rocketmq_points_payments";
+/// The topic dead letters go to, with the reason in their properties.
+pub const DEAD_LETTER_TOPIC: &str = "rocketmq_points_dead_letters";
+/// The consumer group crediting points.
+pub const GROUP: &str = "rocketmq_points";
+/// The PostgreSQL schema holding the example's record table and business tables.
+pub const SCHEMA: &str = "rocketmq_points";
+
+/// `name` from the environment, or `default`.
+pub fn setting(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// `ROCKETMQ_NAMESRV`, default `127.0.0.1:9876`.
+pub fn namesrv_addr() -> String {
+    setting("ROCKETMQ_NAMESRV", "127.0.0.1:9876")
+}
+
+/// A pool on `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) whose
+/// connections search the example's schema first.
+pub fn pool() -> Pool {
+    let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let config: Config = format!("{url}{separator}options=-csearch_path%3D{SCHEMA}")
+        .parse()
+        .expect("a valid DATABASE_URL");
+    Pool::builder(Manager::new(config, NoTls))
+        .max_size(8)
+        .build()
+        .expect("a pool")
+}
+
+/// The body of the payment of order `n`: its user and amount.
+pub fn payment_body(n: usize) -> Vec<u8> {
+    format!(
+        r#"{{"orderId":"order_{n}","userId":"user_{}","amount":{}}}"#,
+        n % 50,
+        10 + n % 90
+    )
+    .into_bytes()
+}
+
+/// Starts a client runtime and a producer in `group`.
+pub async fn start_producer(
+    group: &str,
+) -> Result<(OwnedClientRuntime, Arc<DefaultMQProducer>), oncely_rocketmq::Error> {
+    let runtime = OwnedClientRuntime::new(group)?;
+    let mut producer = DefaultMQProducer::builder(runtime.client_runtime())
+        .producer_group(group.to_owned())
+        .name_server_addr(namesrv_addr())
+        .build();
+    producer.start().await?;
+    Ok((runtime, Arc::new(producer)))
+}

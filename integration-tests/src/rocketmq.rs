@@ -1,0 +1,174 @@
+//! RocketMQ for the tests: the name server on `ROCKETMQ_NAMESRV`, and a topic, consumer
+//! group and dead-letter topic of each test's own.
+
+use std::sync::{Arc, Mutex};
+
+use oncely_rocketmq::rocketmq_client_rust::{
+    ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus, DefaultMQProducer,
+    DefaultMQPushConsumer, MQPushConsumer, MessageListenerConcurrently, MessageListenerOrderly,
+};
+use oncely_rocketmq::rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
+use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
+use oncely_rocketmq::rocketmq_model::common::message::message_single::Message;
+use oncely_rocketmq::{DeadLetterTopic, OwnedClientRuntime};
+
+/// The name server the tests use: `ROCKETMQ_NAMESRV`, or `127.0.0.1:9876`.
+pub fn namesrv_addr() -> String {
+    std::env::var("ROCKETMQ_NAMESRV").unwrap_or_else(|_| "127.0.0.1:9876".into())
+}
+
+/// A client runtime, a started producer, and a topic, consumer group and dead-letter topic
+/// no other test uses. Topics are created by the first send (the broker auto-creates them)
+/// and left behind; their names are unique, so reruns do not see each other's messages.
+pub struct ScratchRocketMq {
+    runtime: OwnedClientRuntime,
+    producer: Arc<DefaultMQProducer>,
+    consumers: Vec<DefaultMQPushConsumer>,
+    /// The topic to send to and consume from.
+    pub topic: String,
+    /// The consumer group of the test's listener.
+    pub group: String,
+    /// The topic dead letters go to.
+    pub dead_letter_topic: String,
+}
+
+impl ScratchRocketMq {
+    /// Starts a client runtime and a producer for a fresh topic named after `name`.
+    pub async fn new(name: &str) -> Self {
+        let id = oncely::Token::random();
+        let runtime = OwnedClientRuntime::new(&format!("oncely-test-{name}")).expect("a client runtime");
+        let mut producer = DefaultMQProducer::builder(runtime.client_runtime())
+            .producer_group(format!("oncely_test_{name}_producer_{id}"))
+            .name_server_addr(namesrv_addr())
+            .build();
+        producer.start().await.unwrap_or_else(|error| {
+            panic!("RocketMQ producer did not start ({error}); run integration-tests/services.sh rocketmq")
+        });
+        ScratchRocketMq {
+            runtime,
+            producer: Arc::new(producer),
+            consumers: Vec::new(),
+            topic: format!("oncely_test_{name}_{id}"),
+            group: format!("oncely_test_{name}_group_{id}"),
+            dead_letter_topic: format!("oncely_test_{name}_dlq_{id}"),
+        }
+    }
+
+    /// The test's started producer.
+    pub fn producer(&self) -> Arc<DefaultMQProducer> {
+        self.producer.clone()
+    }
+
+    /// The dead-letter destination of the test's listener.
+    pub fn dead_letters(&self) -> DeadLetterTopic {
+        DeadLetterTopic::new(self.producer(), self.dead_letter_topic.clone())
+    }
+
+    /// A message for the test's topic.
+    pub fn message(&self, keys: Option<&str>, body: &[u8]) -> Message {
+        let builder = Message::builder().topic(self.topic.as_str()).body_slice(body);
+        match keys {
+            Some(keys) => builder.key(keys),
+            None => builder,
+        }
+        .build_unchecked()
+    }
+
+    /// Sends `message` and waits for the broker to store it.
+    pub async fn send(&self, message: Message) {
+        let result = self.producer.send(message).await.expect("send");
+        assert!(result.is_some(), "a send result");
+    }
+
+    /// Sends `message` to the queue `queue % queues` of its topic, so that messages of one
+    /// entity stay in order.
+    pub async fn send_to_queue(&self, message: Message, queue: usize) {
+        self.producer
+            .send_with_selector(
+                message,
+                |queues: &[oncely_rocketmq::rocketmq_model::common::message::message_queue::MessageQueue],
+                 _: &Message,
+                 queue: &usize| queues.get(queue % queues.len().max(1)).cloned(),
+                queue,
+            )
+            .await
+            .expect("send to a queue");
+    }
+
+    /// Starts a consumer of `topic` in `group`, from the topic's first offset, with a
+    /// concurrent listener.
+    pub async fn consume_concurrently(
+        &mut self,
+        topic: &str,
+        group: &str,
+        listener: impl MessageListenerConcurrently + 'static,
+    ) {
+        let mut consumer = self.consumer(topic, group).await;
+        consumer.register_message_listener_concurrently(listener);
+        self.start(consumer).await;
+    }
+
+    /// As [`consume_concurrently`](Self::consume_concurrently), with an orderly listener.
+    pub async fn consume_orderly(
+        &mut self,
+        topic: &str,
+        group: &str,
+        listener: impl MessageListenerOrderly + 'static,
+    ) {
+        let mut consumer = self.consumer(topic, group).await;
+        consumer.register_message_listener_orderly(listener);
+        self.start(consumer).await;
+    }
+
+    /// Collects every message of the dead-letter topic as it arrives.
+    pub async fn collect_dead_letters(&mut self) -> Arc<Mutex<Vec<MessageExt>>> {
+        let collected = Arc::new(Mutex::new(Vec::new()));
+        let sink = collected.clone();
+        let listener = move |messages: &[&MessageExt],
+                             _: &ConsumeConcurrentlyContext|
+              -> ClientResult<ConsumeConcurrentlyStatus> {
+            let mut sink = sink.lock().expect("not poisoned");
+            sink.extend(messages.iter().map(|message| (*message).clone()));
+            Ok(ConsumeConcurrentlyStatus::ConsumeSuccess)
+        };
+        let (topic, group) = (
+            self.dead_letter_topic.clone(),
+            format!("{}_dlq_reader", self.group),
+        );
+        self.consume_concurrently(&topic, &group, listener).await;
+        collected
+    }
+
+    async fn consumer(&self, topic: &str, group: &str) -> DefaultMQPushConsumer {
+        let mut consumer = DefaultMQPushConsumer::builder(self.runtime.client_runtime())
+            .consumer_group(group.to_owned())
+            .name_server_addr(namesrv_addr())
+            .consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset)
+            .build();
+        consumer.subscribe(topic, "*").await.expect("subscribe");
+        consumer
+    }
+
+    async fn start(&mut self, mut consumer: DefaultMQPushConsumer) {
+        consumer.start().await.expect("start a consumer");
+        self.consumers.push(consumer);
+    }
+
+    /// Shuts the consumers, the producer and the runtime down.
+    pub async fn shutdown(mut self) {
+        for consumer in &mut self.consumers {
+            consumer.shutdown().await;
+        }
+        // The listeners hold clones of the producer (their dead-letter topic).
+        self.consumers.clear();
+        if let Some(producer) = Arc::get_mut(&mut self.producer) {
+            producer.shutdown().await;
+        }
+        self.runtime.shutdown().await;
+    }
+}
+
+/// The value of `name` among `message`'s properties.
+pub fn property(message: &MessageExt, name: &str) -> Option<String> {
+    message.properties().get(name).map(|value| value.to_string())
+}

@@ -1,0 +1,388 @@
+//! The RocketMQ adapter against a real name server and broker (the Rust ones, started by
+//! `services.sh rocketmq`), Redis and PostgreSQL: duplicates by KEYS and by producer
+//! re-send, a broker retry, orderly state events behind the state guard, and poison. Each
+//! test has its own topic, consumer group, dead-letter topic, key prefix and schema.
+
+use std::time::Duration;
+
+use integration_tests::outcomes::OutcomeLog;
+use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
+use integration_tests::rocketmq::{ScratchRocketMq, property};
+use integration_tests::{redis_connection, redis_url, unique, wait_until};
+use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine};
+use oncely::{Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
+use oncely_rocketmq::rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
+use oncely_rocketmq::{
+    ConcurrentListener, ORIGINAL_MESSAGE_ID_PROPERTY, ORIGINAL_TOPIC_PROPERTY, OrderlyListener,
+    REASON_PROPERTY,
+};
+use tokio::runtime::Handle;
+use tower::ServiceBuilder;
+
+/// What a payment message carries; the points are its amount.
+fn payment_body(order: usize) -> Vec<u8> {
+    format!(
+        r#"{{"orderId":"order_{order}","userId":"user_{}","amount":{order}}}"#,
+        order % 7
+    )
+    .into_bytes()
+}
+
+/// A schema with the points ledger. No unique index on `order_id`, so that an order
+/// credited twice would show as two rows.
+async fn points_schema() -> ScratchSchema {
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE points (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL, attempt INTEGER NOT NULL)")
+        .await;
+    schema
+}
+
+/// The points route: keyed by the message's KEYS, through the Redis flag and the PostgreSQL
+/// record in transactional mode, logging outcomes, to a handler that credits the points in
+/// the record's transaction — after failing the first `failing_attempts` attempts of every
+/// key with a transient error.
+async fn points_route(
+    schema: &ScratchSchema,
+    log: &OutcomeLog,
+    failing_attempts: u32,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
+> {
+    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"));
+    let handler = handler_fn(move |envelope: Envelope| async move {
+        let attempt = envelope.delivery().attempt();
+        if attempt <= failing_attempts {
+            return Err(HandlerError::transient("the points service is down"));
+        }
+        let tx = envelope
+            .extensions()
+            .get::<PgTransaction>()
+            .expect("the record tier")
+            .clone();
+        tx.client()
+            .execute(
+                "INSERT INTO points (order_id, attempt) VALUES ($1, $2)",
+                &[
+                    &envelope.key().as_str(),
+                    &i32::try_from(attempt).unwrap_or(i32::MAX),
+                ],
+            )
+            .await?;
+        Ok(())
+    });
+    let stack = ServiceBuilder::new()
+        .layer(log.clone())
+        .layer(FlagLayer::new(flags, Duration::from_secs(600)).with_lease(Duration::from_secs(5)))
+        .layer(PgTransactionalLayer::new(
+            schema_pool(schema.name(), 4),
+            schema.records(),
+        ))
+        .service(handler);
+    Route::new("credit_points", KeyExtractor::broker_key(), stack)
+}
+
+async fn count(schema: &ScratchSchema, sql: &str) -> i64 {
+    schema.count(sql).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_by_keys_and_producer_resends_credit_each_order_once() {
+    const ORDERS: usize = 30;
+    let schema = points_schema().await;
+    let log = OutcomeLog::new();
+    let mut rocketmq = ScratchRocketMq::new("duplicates").await;
+
+    // Each order three times: the original, a producer re-send of it (the same UNIQ_KEY, as
+    // the client's own send retry makes), and a re-sent order (a new id, the same KEYS).
+    for order in 0..ORDERS {
+        let key = format!("order_{order}");
+        let mut original = rocketmq.message(Some(&key), &payment_body(order));
+        MessageClientIDSetter::set_uniq_id(&mut original);
+        rocketmq.send(original.clone()).await;
+        rocketmq.send(original).await;
+        rocketmq
+            .send(rocketmq.message(Some(&key), &payment_body(order)))
+            .await;
+    }
+
+    let route = points_route(&schema, &log, 0).await;
+    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+
+    wait_until(Duration::from_secs(60), || async { log.len() >= 3 * ORDERS }).await;
+    assert_eq!(log.count(|outcome| *outcome == Outcome::Processed), ORDERS);
+    assert_eq!(
+        log.count(|outcome| matches!(outcome, Outcome::Duplicate { .. })),
+        2 * ORDERS,
+        "every copy answered as a duplicate and acknowledged: {:?}",
+        log.entries()
+    );
+    assert_eq!(count(&schema, "SELECT count(*) FROM points").await, ORDERS as i64);
+    assert_eq!(
+        count(&schema, "SELECT count(DISTINCT order_id) FROM points").await,
+        ORDERS as i64
+    );
+    assert_eq!(
+        count(
+            &schema,
+            "SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'"
+        )
+        .await,
+        ORDERS as i64
+    );
+    rocketmq.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconsume_later_comes_back_with_reconsume_times_plus_one_and_credits_once() {
+    let schema = points_schema().await;
+    let log = OutcomeLog::new();
+    let mut rocketmq = ScratchRocketMq::new("retry").await;
+    rocketmq
+        .send(rocketmq.message(Some("order_1"), &payment_body(1)))
+        .await;
+
+    let route = points_route(&schema, &log, 1).await;
+    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+
+    // The broker's first retry level is 10 s.
+    wait_until(Duration::from_secs(90), || async {
+        log.count(|outcome| *outcome == Outcome::Processed) == 1
+    })
+    .await;
+    let outcomes: Vec<_> = log.entries().into_iter().map(|(_, outcome)| outcome).collect();
+    assert!(
+        matches!(outcomes[0], Outcome::RetryLater(_)),
+        "the first attempt failed: {outcomes:?}"
+    );
+    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
+    // The handler credits with the attempt it saw: the redelivery's reconsume times + 1.
+    assert_eq!(
+        count(&schema, "SELECT count(*) FROM points WHERE attempt = 2").await,
+        1
+    );
+    assert_eq!(count(&schema, "SELECT count(*) FROM points").await, 1);
+    rocketmq.shutdown().await;
+}
+
+const LIFECYCLE: [&str; 4] = ["Created", "Paid", "Shipped", "Completed"];
+
+/// The `n`-th of the 24 orders of the four lifecycle states (factorial number system).
+fn shuffled_lifecycle(mut n: usize) -> Vec<&'static str> {
+    let mut left = LIFECYCLE.to_vec();
+    let mut order = Vec::with_capacity(LIFECYCLE.len());
+    for radix in (1..=LIFECYCLE.len()).rev() {
+        order.push(left.remove(n % radix));
+        n /= radix;
+    }
+    order
+}
+
+/// What a forward-only guard applies of `events`, taken in order: each event that moves
+/// past every state applied before it.
+fn forward_subsequence(events: &[&'static str]) -> Vec<&'static str> {
+    let rank = |state: &str| LIFECYCLE.iter().position(|known| *known == state);
+    let mut applied: Vec<&'static str> = Vec::new();
+    for event in events {
+        if applied.last().is_none_or(|last| rank(event) > rank(last)) {
+            applied.push(event);
+        }
+    }
+    applied
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orderly_listener_applies_only_forward_transitions_and_acknowledges_stale_ones() {
+    const SHIPMENTS: usize = 24;
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE transitions (id BIGSERIAL PRIMARY KEY, shipment TEXT NOT NULL, state TEXT NOT NULL)")
+        .await;
+    let log = OutcomeLog::new();
+    let mut rocketmq = ScratchRocketMq::new("orderly").await;
+
+    let mut expected = Vec::new();
+    for shipment in 0..SHIPMENTS {
+        let events = shuffled_lifecycle(shipment);
+        for state in &events {
+            let body = format!(r#"{{"shipment":"s-{shipment}","state":"{state}"}}"#);
+            rocketmq
+                .send_to_queue(rocketmq.message(None, body.as_bytes()), shipment)
+                .await;
+        }
+        expected.push(forward_subsequence(&events));
+    }
+
+    let pool = schema_pool(schema.name(), 4);
+    let handler = handler_fn({
+        let pool = pool.clone();
+        move |envelope: Envelope| {
+            let pool = pool.clone();
+            async move {
+                let event: serde_json::Value =
+                    serde_json::from_slice(envelope.delivery().body()).map_err(HandlerError::permanent)?;
+                let client = pool.get().await?;
+                client
+                    .execute(
+                        "INSERT INTO transitions (shipment, state) VALUES ($1, $2)",
+                        &[&event["shipment"].as_str(), &event["state"].as_str()],
+                    )
+                    .await?;
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    let guard = StateGuardLayer::new(
+        PgStateStore::new(pool, schema.table("entity_state")),
+        StateMachine::forward_only(LIFECYCLE).unwrap(),
+        KeyExtractor::json_pointer("/shipment"),
+        KeyExtractor::json_pointer("/state"),
+    );
+    let stack = ServiceBuilder::new()
+        .layer(log.clone())
+        .layer(guard)
+        .service(handler);
+    let route = Route::new(
+        "shipments",
+        KeyExtractor::template("{/shipment}:{/state}").unwrap(),
+        stack,
+    );
+    let listener = OrderlyListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq.consume_orderly(&topic, &group, listener).await;
+
+    let events = SHIPMENTS * LIFECYCLE.len();
+    wait_until(Duration::from_secs(60), || async { log.len() >= events }).await;
+    let applied: usize = expected.iter().map(Vec::len).sum();
+    assert_eq!(log.count(|outcome| *outcome == Outcome::Processed), applied);
+    assert_eq!(
+        log.count(|outcome| matches!(outcome, Outcome::Stale { .. })),
+        events - applied,
+        "every backward event acknowledged as stale"
+    );
+    for (shipment, expected) in expected.iter().enumerate() {
+        let client = schema_pool(schema.name(), 1).get().await.unwrap();
+        let states: Vec<String> = client
+            .query(
+                "SELECT state FROM transitions WHERE shipment = $1 ORDER BY id",
+                &[&format!("s-{shipment}")],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert_eq!(
+            states, *expected,
+            "shipment s-{shipment} applied in queue order, forward only"
+        );
+    }
+    rocketmq.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_goes_to_the_dead_letter_topic_with_the_reason() {
+    let schema = points_schema().await;
+    let log = OutcomeLog::new();
+    let mut rocketmq = ScratchRocketMq::new("poison").await;
+    let dead_letters = rocketmq.collect_dead_letters().await;
+
+    let route = points_route(&schema, &log, 0).await;
+    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq
+        .send(rocketmq.message(Some("order_1"), &payment_body(1)))
+        .await;
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+    wait_until(Duration::from_secs(60), || async { log.len() == 1 }).await;
+
+    // No KEYS: no business key. The same KEYS with another payload: a key reused by mistake.
+    rocketmq.send(rocketmq.message(None, &payment_body(2))).await;
+    let mut reused = rocketmq.message(Some("order_1"), &payment_body(3));
+    MessageClientIDSetter::set_uniq_id(&mut reused);
+    let reused_id = MessageClientIDSetter::get_uniq_id(&reused).unwrap().to_string();
+    rocketmq.send(reused).await;
+
+    wait_until(Duration::from_secs(60), || async {
+        dead_letters.lock().unwrap().len() >= 2
+    })
+    .await;
+    let dead = dead_letters.lock().unwrap().clone();
+    let mut reasons: Vec<_> = dead
+        .iter()
+        .filter_map(|message| property(message, REASON_PROPERTY))
+        .collect();
+    reasons.sort();
+    assert_eq!(reasons, ["invalid_key", "payload_mismatch"]);
+    for message in &dead {
+        assert_eq!(
+            property(message, ORIGINAL_TOPIC_PROPERTY).as_deref(),
+            Some(topic.as_str())
+        );
+    }
+    let mismatch = dead
+        .iter()
+        .find(|message| property(message, REASON_PROPERTY).as_deref() == Some("payload_mismatch"))
+        .unwrap();
+    assert_eq!(mismatch.body().as_deref(), Some(&payment_body(3)[..]));
+    assert_eq!(property(mismatch, "KEYS").as_deref(), Some("order_1"));
+    assert_eq!(property(mismatch, ORIGINAL_MESSAGE_ID_PROPERTY), Some(reused_id));
+    assert_eq!(
+        count(&schema, "SELECT count(*) FROM points").await,
+        1,
+        "poison credited nothing"
+    );
+    rocketmq.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_the_broker_does_not_store_is_retried_not_acknowledged() {
+    let log = OutcomeLog::new();
+    let mut rocketmq = ScratchRocketMq::new("unstored").await;
+    rocketmq
+        .send(rocketmq.message(Some("order_1"), &payment_body(1)))
+        .await;
+
+    let attempts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handler = handler_fn({
+        let attempts = attempts.clone();
+        move |envelope: Envelope| {
+            attempts.lock().unwrap().push(envelope.delivery().attempt());
+            async { Err::<(), _>(HandlerError::permanent("unprocessable")) }
+        }
+    });
+    let route = Route::new(
+        "rejects",
+        KeyExtractor::broker_key(),
+        ServiceBuilder::new().layer(log.clone()).service(handler),
+    );
+    // A topic name RocketMQ refuses, so that every dead-letter send fails.
+    let unstorable = oncely_rocketmq::DeadLetterTopic::new(rocketmq.producer(), "no spaces allowed");
+    let listener = ConcurrentListener::new(route, Handle::current(), unstorable);
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+
+    // The broker's first retry level is 10 s.
+    wait_until(Duration::from_secs(90), || async { log.len() >= 2 }).await;
+    assert_eq!(
+        attempts.lock().unwrap()[..2],
+        [1, 2],
+        "the rejected message came back"
+    );
+    assert!(
+        log.entries()
+            .iter()
+            .all(|(_, outcome)| outcome.dead_letter_reason() == Some(oncely::DeadLetterReason::Rejected))
+    );
+    rocketmq.shutdown().await;
+}
