@@ -146,6 +146,13 @@ ensure_rabbitmq() {
   log "rabbitmq: up at $host:$port"
 }
 
+# True while process $1 runs; an exited child of this script stays a zombie until reaped,
+# which `kill -0` would still report as alive.
+running() { local state; state=$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null) && [[ $state != Z ]]; }
+
+# True once the broker listens, or once its process $1 has exited.
+broker_started() { tcp_open 127.0.0.1 10911 || ! running "$1"; }
+
 ensure_rocketmq() {
   local host=${ROCKETMQ_NAMESRV%:*} port=${ROCKETMQ_NAMESRV##*:}
   if tcp_open "$host" "$port" && tcp_open "$host" 10911; then log "rocketmq: up at $host:$port"; return; fi
@@ -189,11 +196,21 @@ storePathRootDir = "$run/store"
 haListenAddress = "127.0.0.1"
 haListenPort = 10912
 TOML
-    log "rocketmq: starting the broker on 127.0.0.1:10911"
-    ROCKETMQ_HOME="$run" ROCKETMQ_SECURITY_PROFILE=development-insecure-loopback \
-      setsid "$root/bin/rocketmq-broker-rust" -c "$run/conf/broker.toml" -n "$host:$port" \
-      >"$run/broker.log" 2>&1 </dev/null &
-    wait_for rocketmq-broker 60 tcp_open 127.0.0.1 10911
+    # A broker started right after another one stopped can fail its startup while the old
+    # one's ports are still being released; it exits, and a second start succeeds.
+    local try pid
+    for try in 1 2 3; do
+      log "rocketmq: starting the broker on 127.0.0.1:10911"
+      ROCKETMQ_HOME="$run" ROCKETMQ_SECURITY_PROFILE=development-insecure-loopback \
+        setsid "$root/bin/rocketmq-broker-rust" -c "$run/conf/broker.toml" -n "$host:$port" \
+        >"$run/broker.log" 2>&1 </dev/null &
+      pid=$!
+      wait_for rocketmq-broker 60 broker_started "$pid"
+      tcp_open 127.0.0.1 10911 && break
+      log "rocketmq: the broker exited during startup (try $try); see $run/broker.log"
+      ((try < 3)) || die "rocketmq: the broker did not start"
+      sleep 3
+    done
   fi
   log "rocketmq: up at $host:$port (broker 127.0.0.1:10911; logs and store in $run)"
 }

@@ -51,7 +51,7 @@ pub use dead_letter::{
 };
 pub use error::Error;
 pub use listener::{ConcurrentListener, OrderlyListener};
-pub use runtime::OwnedClientRuntime;
+pub use runtime::{LISTENER_CONCURRENCY, LISTENER_QUEUE_DEPTH, OwnedClientRuntime};
 
 pub use oncely;
 pub use rocketmq_client_rust;

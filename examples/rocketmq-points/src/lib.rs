@@ -3,8 +3,6 @@
 //! What the two binaries share: connection settings, topics, the database schema, and the
 //! client runtime and producer they both start.
 
-use std::sync::Arc;
-
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, Pool};
 use oncely_rocketmq::OwnedClientRuntime;
@@ -56,12 +54,12 @@ pub fn payment_body(n: usize) -> Vec<u8> {
 /// Starts a client runtime and a producer in `group`.
 pub async fn start_producer(
     group: &str,
-) -> Result<(OwnedClientRuntime, Arc<DefaultMQProducer>), oncely_rocketmq::Error> {
+) -> Result<(OwnedClientRuntime, DefaultMQProducer), oncely_rocketmq::Error> {
     let runtime = OwnedClientRuntime::new(group)?;
     let mut producer = DefaultMQProducer::builder(runtime.client_runtime())
         .producer_group(group.to_owned())
         .name_server_addr(namesrv_addr())
         .build();
     producer.start().await?;
-    Ok((runtime, Arc::new(producer)))
+    Ok((runtime, producer))
 }

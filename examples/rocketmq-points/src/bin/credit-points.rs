@@ -125,7 +125,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stack,
     );
 
-    let (runtime, producer) = start_producer("rocketmq_points_dead_letters").await?;
+    let (runtime, mut producer) = start_producer("rocketmq_points_dead_letters").await?;
+    // The broker would create the dead-letter topic on its first message, but the reader
+    // below, subscribed before that, would only learn of it at its next route refresh.
+    let key = producer.create_topic_key().to_string();
+    producer
+        .create_topic(&key, DEAD_LETTER_TOPIC, 4, Default::default())
+        .await?;
+    let producer = Arc::new(producer);
     let last_message = Arc::new(Mutex::new(None));
     let mut payments = consumer(&runtime, GROUP);
     payments.subscribe(TOPIC, "*").await?;

@@ -24,7 +24,7 @@ async fn main() -> Result<(), oncely_rocketmq::Error> {
         .nth(1)
         .and_then(|n| n.parse().ok())
         .unwrap_or(1000);
-    let (runtime, producer) = start_producer("rocketmq_points_publisher").await?;
+    let (runtime, mut producer) = start_producer("rocketmq_points_publisher").await?;
 
     let mut sent = Vec::with_capacity(orders);
     for n in 0..orders {
@@ -59,9 +59,7 @@ async fn main() -> Result<(), oncely_rocketmq::Error> {
         orders + copies + 2
     );
 
-    if let Some(mut producer) = std::sync::Arc::into_inner(producer) {
-        producer.shutdown().await;
-    }
+    producer.shutdown().await;
     runtime.shutdown().await;
     Ok(())
 }
