@@ -80,23 +80,6 @@ impl DeadLetterTopic {
         attempt: u32,
         reason: &DeadLetter,
     ) -> Result<(), Error> {
-        let copy = self.copy_of(message, original_topic, route, attempt, reason);
-        let timeout = u64::try_from(self.send_timeout.as_millis()).unwrap_or(u64::MAX);
-        match self.producer.send_with_timeout(copy, timeout).await? {
-            Some(result) if result.send_status == SendStatus::SendOk => Ok(()),
-            Some(result) => Err(Error::NotStored(result.send_status)),
-            None => Err(Error::NoSendResult),
-        }
-    }
-
-    fn copy_of(
-        &self,
-        message: &MessageExt,
-        original_topic: &str,
-        route: &str,
-        attempt: u32,
-        reason: &DeadLetter,
-    ) -> Message {
         let kept = [MessageConst::PROPERTY_KEYS, MessageConst::PROPERTY_TAGS];
         let mut properties: HashMap<_, _> = message
             .properties()
@@ -118,13 +101,18 @@ impl DeadLetterTopic {
         {
             add(ORIGINAL_MESSAGE_ID_PROPERTY, id.to_string());
         }
-
         let mut copy = Message::builder()
             .topic(self.topic.as_str())
             .body(message.body().unwrap_or_default())
             .build_unchecked();
         copy.set_properties(properties);
-        copy
+
+        let timeout = u64::try_from(self.send_timeout.as_millis()).unwrap_or(u64::MAX);
+        match self.producer.send_with_timeout(copy, timeout).await? {
+            Some(result) if result.send_status == SendStatus::SendOk => Ok(()),
+            Some(result) => Err(Error::NotStored(result.send_status)),
+            None => Err(Error::NoSendResult),
+        }
     }
 }
 

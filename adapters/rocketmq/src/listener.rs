@@ -56,12 +56,7 @@ pub struct OrderlyListener<S> {
     settler: Settler<S>,
 }
 
-impl<S> ConcurrentListener<S>
-where
-    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send,
-{
+impl<S> ConcurrentListener<S> {
     /// A listener running `route` on `runtime`, dead-lettering to `dead_letters`.
     pub fn new(route: Route<S>, runtime: Handle, dead_letters: DeadLetterTopic) -> Self {
         ConcurrentListener {
@@ -74,12 +69,7 @@ where
     }
 }
 
-impl<S> OrderlyListener<S>
-where
-    S: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
-    S::Error: Into<BoxError>,
-    S::Future: Send,
-{
+impl<S> OrderlyListener<S> {
     /// A listener running `route` on `runtime`, dead-lettering to `dead_letters`.
     pub fn new(route: Route<S>, runtime: Handle, dead_letters: DeadLetterTopic) -> Self {
         OrderlyListener {
