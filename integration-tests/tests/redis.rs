@@ -116,6 +116,38 @@ async fn ttls_are_as_configured() {
 }
 
 #[tokio::test]
+async fn fencing_tokens_keep_growing_across_a_redis_restart_that_lost_the_counter() {
+    let mut server = ScratchRedis::start();
+    let locks = RedisLockStore::new(redis_connection(&server.url()).await);
+    let mut before = 0;
+    for _ in 0..3 {
+        let token = Token::random();
+        before = locks
+            .acquire("sku-1", token, Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(locks.release("sku-1", token).await.unwrap());
+    }
+    server.restart();
+    // The first command after the restart finds the old connection broken; the connection
+    // manager then reconnects.
+    let mut acquired = locks
+        .acquire("sku-1", Token::random(), Duration::from_secs(5))
+        .await;
+    if acquired.is_err() {
+        acquired = locks
+            .acquire("sku-1", Token::random(), Duration::from_secs(5))
+            .await;
+    }
+    let after = acquired.unwrap().expect("the lock is free on an empty Redis");
+    assert!(
+        after > before,
+        "a token after the restart ({after}) is newer than the last one before it ({before}), so a fenced store accepts its holder"
+    );
+}
+
+#[tokio::test]
 async fn the_lock_outlives_its_first_lease_while_the_handler_runs() {
     let locks = lock_store().await;
     let handler = handler_fn(|_: Envelope| async {

@@ -13,10 +13,17 @@ use crate::redis_backend::{
 use crate::token::Token;
 
 /// Takes the lock if free and hands out the next fencing token, in one step.
+///
+/// A missing counter starts from the server's clock in microseconds, not from 0: a counter
+/// lost with Redis (a flush, a restart without persistence) must not hand out tokens older
+/// than those a business store already saw, and one entity is never locked a million times
+/// a second. (Lua numbers are doubles, so the seed is built as a string.)
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
         if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+            local now = redis.call('TIME')
+            redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'NX')
             return redis.call('INCR', KEYS[2])
         end
         return false
@@ -41,8 +48,11 @@ static RENEW: LazyLock<Script> = LazyLock::new(|| {
 /// Per entity, two keys with the entity as Redis Cluster hash tag, so one script can touch
 /// both: the lock `PREFIX:lock:{ENTITY}` holding the holder's token with the lease as expiry,
 /// and the fencing counter `PREFIX:fence:{ENTITY}`, incremented on each acquisition. The
-/// counter never expires — an expired counter would start again at 1 and hand a new holder
+/// counter never expires — an expired counter would start again and could hand a new holder
 /// a token older than a stale holder's — so it costs one small key per entity ever locked.
+/// A counter lost anyway (a flush, a restart of a Redis without persistence) starts again
+/// from the Redis server's clock in microseconds, above every token handed out before as
+/// long as that clock did not go back.
 ///
 /// This is a single-instance lock (no Redlock): if Redis fails over to a replica that had
 /// not received the lock, two holders can overlap. The watchdog then usually reports the
