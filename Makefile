@@ -1,20 +1,28 @@
 # oncely's commands. `make test` is the one test command; CI runs it through .ci/run.
 CARGO ?= cargo
+# Where cargo builds; `make test` runs the chaos binary that `cargo test` built there.
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
 SHELL := bash
 .SHELLFLAGS := -eo pipefail -c
 
-.PHONY: demo test fmt lint services bench
+.PHONY: demo test fmt lint services bench chaos
 
 ## The zero-setup quickstart: the whole stack on in-memory stores, no servers.
 demo:
 	$(CARGO) run --release -p quickstart
 
-## Format check, clippy with warnings denied, every test, and the quickstart's own checks.
+## A short fault-injection ledger run for `make test`: a few thousand messages, a few faults of
+## each kind. `make chaos` is the full one.
+CHAOS_SHORT = --messages 4000 --keys 800 --rate 400 --fault-every-ms 800 --time-limit-s 300
+
+## Format check, clippy with warnings denied, every test, the quickstart's own checks and the
+## short chaos run.
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
+	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
 	awk '/^test result:/ { passed += $$4; failed += $$6 } \
 	     END { printf "tests: %d passed, %d failed\n", passed, failed }' "$$log"
 
@@ -32,3 +40,12 @@ services:
 ## Every benchmark, each tier against the raw limit of its own store, in one run.
 bench: services
 	$(CARGO) run --release -p integration-tests --bin bench -- all
+
+## The fault-injection ledger run: 50,000 messages over 10,000 keys through four consumers in
+## two processes while consumers are killed, Redis restarted and flushed, PostgreSQL and AMQP
+## connections dropped; then the same with the Redis flag alone. Fails if the full stack
+## misses or doubles a key.
+chaos: services
+	$(CARGO) build --release -p integration-tests --bins
+	$(TARGET_DIR)/release/chaos
+	$(TARGET_DIR)/release/chaos --stack flag-only --report-only

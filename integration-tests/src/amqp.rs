@@ -8,6 +8,7 @@ use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::postgres::Table;
 use oncely::record::PgTransactionalLayer;
 use oncely::{Envelope, KeyExtractor, Outcome, Route, handler_fn};
@@ -61,26 +62,79 @@ pub async fn drain(channel: &Channel, queue: &str) -> Vec<lapin::message::BasicG
     messages
 }
 
-/// The stock-deduction route: keyed by the body's `/orderId`, through the Redis flag and the
-/// PostgreSQL record in transactional mode, to a handler that inserts one `stock_moves` row
-/// per order in the record's transaction. `pool`'s connections must search the schema
-/// holding `stock_moves` first.
+/// The stock-deduction route: keyed by the body's `/orderId`, through the Redis flag, the
+/// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode, to a
+/// handler that inserts one `stock_moves` row per order in the record's transaction.
+/// `pool`'s connections must search the schema holding `stock_moves` first; Redis keys
+/// start with `prefix`.
 pub fn orders_route(
     pool: Pool,
     records: Table,
-    flags: RedisFlagStore<ConnectionManager>,
+    redis: ConnectionManager,
+    prefix: &str,
 ) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send> + Clone + Send + Sync,
+    impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
 > {
     let handler =
         handler_fn(|envelope: Envelope| async move { crate::postgres::insert_stock_move(&envelope).await });
     let stack = ServiceBuilder::new()
+        .layer(orders_flag(redis.clone(), prefix))
         .layer(
-            FlagLayer::new(flags, Duration::from_secs(600))
-                .with_lease(Duration::from_secs(5))
-                .with_in_flight_delay(Duration::from_millis(100)),
+            LockLayer::new(
+                RedisLockStore::new(redis).with_prefix(prefix),
+                KeyExtractor::json_pointer("/sku"),
+            )
+            .with_lease(Duration::from_secs(5))
+            .with_busy_delay(Duration::from_millis(100)),
         )
         .layer(PgTransactionalLayer::new(pool, records))
         .service(handler);
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The weaker stack for comparison: only the Redis flag in front of a handler that inserts
+/// the `stock_moves` row on its own (no record, no transaction). What Redis forgets — a
+/// flush, a restart, a crash between the handler and the flag's completion — it applies
+/// again.
+pub fn flag_only_orders_route(
+    pool: Pool,
+    redis: ConnectionManager,
+    prefix: &str,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
+> {
+    let handler = handler_fn(move |envelope: Envelope| {
+        let pool = pool.clone();
+        async move {
+            pool.get()
+                .await?
+                .execute(
+                    "INSERT INTO stock_moves (order_id) VALUES ($1)",
+                    &[&envelope.key().as_str()],
+                )
+                .await?;
+            Ok::<(), oncely::HandlerError>(())
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(orders_flag(redis, prefix))
+        .service(handler);
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+fn orders_flag(redis: ConnectionManager, prefix: &str) -> FlagLayer<RedisFlagStore<ConnectionManager>> {
+    FlagLayer::new(
+        RedisFlagStore::new(redis).with_prefix(prefix),
+        Duration::from_secs(600),
+    )
+    .with_lease(Duration::from_secs(5))
+    .with_in_flight_delay(Duration::from_millis(100))
 }

@@ -11,7 +11,6 @@ use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
 use lapin::types::AMQPValue;
-use oncely::flag::RedisFlagStore;
 use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
 use oncely_amqp::{ATTEMPTS_HEADER, Producer, REASON_HEADER, Runner, Topology};
 use tokio_util::sync::CancellationToken;
@@ -104,11 +103,11 @@ impl OrdersFixture {
 async fn five_thousand_messages_with_thirty_percent_duplicates_over_four_consumers_apply_each_order_once() {
     const ORDERS: usize = 3_850;
     let fixture = OrdersFixture::new("dedup").await;
-    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(fixture.prefix.clone());
     let route = orders_route(
         schema_pool(fixture.schema.name(), 16),
         fixture.schema.records(),
-        flags,
+        redis_connection(&redis_url()).await,
+        &fixture.prefix,
     );
 
     let producer = Producer::new(connect().await.unwrap());
@@ -363,11 +362,11 @@ async fn a_dropped_connection_is_reconnected_and_consumption_resumes() {
     let producer = Producer::new(connect().await.unwrap());
     publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
 
-    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(fixture.prefix.clone());
     let route = orders_route(
         schema_pool(fixture.schema.name(), 8),
         fixture.schema.records(),
-        flags,
+        redis_connection(&redis_url()).await,
+        &fixture.prefix,
     );
     let name = format!("oncely-reconnect-{}", oncely::Token::random());
     let connections = Arc::new(AtomicU32::new(0));

@@ -1,36 +1,75 @@
-//! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX` (started by the AMQP tests, which kill
-//! it with SIGKILL mid-run).
+//! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only] [CONNECTION_NAME]`
+//! (started by the AMQP tests and `make chaos`, which kill it with SIGKILL mid-run).
 //!
-//! One consumer process of the stock-deduction route: four runners on the queue, through
-//! the Redis flag and the PostgreSQL record in transactional mode, until it is killed.
+//! One consumer process of the stock-deduction route: two runners on the queue, each on
+//! its own connection (named CONNECTION_NAME, so a test can drop exactly these), through the
+//! full stack (Redis flag, Redis lock, PostgreSQL record in transactional mode; the
+//! default) or the Redis flag alone, until it is killed. Redis and PostgreSQL come from
+//! `REDIS_URL` and `DATABASE_URL`.
 
-use integration_tests::amqp::{connect, orders_route, test_topology};
+use integration_tests::amqp::{amqp_addr, flag_only_orders_route, orders_route, test_topology};
 use integration_tests::postgres::schema_pool;
 use integration_tests::{redis_connection, redis_url};
-use oncely::flag::RedisFlagStore;
+use lapin::{Connection, ConnectionProperties};
 use oncely::postgres::Table;
+use oncely::{BoxError, Envelope, Outcome, Route};
 use oncely_amqp::Runner;
 use tokio_util::sync::CancellationToken;
 
-#[tokio::main]
-async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let [queue, schema, prefix] = args.as_slice() else {
-        eprintln!("usage: amqp_consumer QUEUE SCHEMA REDIS_PREFIX");
-        std::process::exit(2);
-    };
-    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(prefix.as_str());
-    let records = Table::new(schema, "consumption_record").expect("a valid schema");
-    let route = orders_route(schema_pool(schema, 8), records, flags);
+/// Runs two runners of `route` on `queue` until the process is killed.
+async fn consume<S>(route: Route<S>, queue: &str, connection_name: &str)
+where
+    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
     let shutdown = CancellationToken::new();
-    let runners: Vec<_> = (0..4)
+    let runners: Vec<_> = (0..2)
         .map(|_| {
             let runner = Runner::new(route.clone(), test_topology(queue)).with_prefetch(16);
-            let shutdown = shutdown.clone();
-            tokio::spawn(async move { runner.run_with_reconnect(connect, &shutdown).await })
+            let (shutdown, name) = (shutdown.clone(), connection_name.to_owned());
+            tokio::spawn(async move {
+                let connect = || {
+                    let properties =
+                        ConnectionProperties::default().with_connection_name(name.clone().into());
+                    async move { Connection::connect(&amqp_addr(), properties).await }
+                };
+                runner.run_with_reconnect(connect, &shutdown).await
+            })
         })
         .collect();
     for runner in runners {
         let _ = runner.await;
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (queue, schema, prefix, stack, name) = match args.as_slice() {
+        [queue, schema, prefix, rest @ ..] if rest.len() <= 2 => (
+            queue,
+            schema,
+            prefix,
+            rest.first().map_or("full", String::as_str),
+            rest.get(1).map_or("oncely-amqp-consumer", String::as_str),
+        ),
+        _ => {
+            eprintln!("usage: amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only] [CONNECTION_NAME]");
+            std::process::exit(2);
+        }
+    };
+    let redis = redis_connection(&redis_url()).await;
+    let pool = schema_pool(schema, 8);
+    match stack {
+        "full" => {
+            let records = Table::new(schema, "consumption_record").expect("a valid schema");
+            consume(orders_route(pool, records, redis, prefix), queue, name).await;
+        }
+        "flag-only" => consume(flag_only_orders_route(pool, redis, prefix), queue, name).await,
+        other => {
+            eprintln!("unknown stack {other:?}: full or flag-only");
+            std::process::exit(2);
+        }
     }
 }
