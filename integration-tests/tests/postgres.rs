@@ -31,7 +31,7 @@ async fn the_coalescing_record_store_passes_the_record_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
     integration_tests::record_store_suite!(
-        run: PgRecordStore::new(pool.clone(), schema.records()).with_coalescing(64, Duration::from_millis(2))
+        run: PgRecordStore::new(pool.clone(), schema.records()).with_coalescing(64, 4)
     );
 }
 

@@ -1,11 +1,9 @@
 //! Claim coalescing: many deliveries' claims, one statement.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use tokio::sync::{mpsc, oneshot};
-use tokio::time::{Instant, timeout_at};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::sql::{ClaimRequest, Statements, claim_batch, record_error};
 use crate::error::Error;
@@ -25,12 +23,12 @@ impl Coalescer {
         pool: Pool,
         statements: Arc<Statements>,
         max_rows: usize,
-        max_wait: Duration,
+        max_batches: usize,
     ) -> Self {
         // Room for a few batches: beyond that, callers wait for the collector, which bounds
         // memory under overload instead of queueing without limit.
         let (queue, receiver) = mpsc::channel(max_rows * 4);
-        tokio::spawn(collect(receiver, pool, statements, max_rows, max_wait));
+        tokio::spawn(collect(receiver, pool, statements, max_rows, max_batches));
         Coalescer { queue }
     }
 
@@ -42,25 +40,39 @@ impl Coalescer {
     }
 }
 
-/// Gathers claims into batches and starts each batch on its own task, so the next batch
-/// fills while the previous one is on the wire.
+/// Gathers claims into batches, group-commit style: a batch leaves as soon as one of
+/// `max_batches` slots is free, with every claim waiting at that moment (up to `max_rows`).
+/// An idle store therefore adds no delay to a lone claim, and under load claims pile up
+/// while the slots are busy and share the next round trip. (Closing batches on a timer
+/// instead made a lone claim wait for the timer: 13 times slower at one in flight.)
 async fn collect(
     mut receiver: mpsc::Receiver<Waiter>,
     pool: Pool,
     statements: Arc<Statements>,
     max_rows: usize,
-    max_wait: Duration,
+    max_batches: usize,
 ) {
+    let slots = Arc::new(Semaphore::new(max_batches.max(1)));
     while let Some(first) = receiver.recv().await {
-        let deadline = Instant::now() + max_wait;
         let mut batch = vec![first];
+        let slot = loop {
+            tokio::select! {
+                biased;
+                slot = slots.clone().acquire_owned() => break slot,
+                Some(waiter) = receiver.recv(), if batch.len() < max_rows => batch.push(waiter),
+            }
+        };
         while batch.len() < max_rows {
-            match timeout_at(deadline, receiver.recv()).await {
-                Ok(Some(waiter)) => batch.push(waiter),
-                Ok(None) | Err(_) => break,
+            match receiver.try_recv() {
+                Ok(waiter) => batch.push(waiter),
+                Err(_) => break,
             }
         }
-        tokio::spawn(run_batch(batch, pool.clone(), statements.clone()));
+        let (pool, statements) = (pool.clone(), statements.clone());
+        tokio::spawn(async move {
+            run_batch(batch, pool, statements).await;
+            drop(slot);
+        });
     }
 }
 

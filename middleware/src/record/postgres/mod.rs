@@ -37,8 +37,8 @@ use crate::postgres::Table;
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
 ///
 /// Each call takes a connection from the pool for one statement (two when a claim finds
-/// the key taken). With [coalescing](PgRecordStore::with_coalescing), claims made within a
-/// short window share one statement and one round trip.
+/// the key taken). With [coalescing](PgRecordStore::with_coalescing), claims that wait at
+/// the same moment share one statement and one round trip.
 #[derive(Clone)]
 pub struct PgRecordStore {
     pool: Pool,
@@ -59,19 +59,21 @@ impl PgRecordStore {
         }
     }
 
-    /// Batches the claims of concurrent deliveries into one multi-row statement: a batch
-    /// closes when it holds `max_rows` claims or `max_wait` after its first claim, whichever
-    /// comes first; batches run concurrently, each on its own pooled connection. A single
-    /// delivery waits at most `max_wait` longer; many in flight share round trips.
+    /// Batches the claims of concurrent deliveries into multi-row statements, group-commit
+    /// style: a claim leaves at once, together with every other claim waiting at that
+    /// moment (up to `max_rows`), whenever fewer than `max_batches` batches are on the wire;
+    /// otherwise it waits for one of them to finish and joins the next. A lone claim adds no
+    /// delay; many in flight share round trips. Each batch runs on its own pooled connection,
+    /// so keep `max_batches` at or below the pool's size.
     ///
     /// Starts a background task on the current Tokio runtime, which ends when the last clone
     /// of the store is dropped.
-    pub fn with_coalescing(mut self, max_rows: usize, max_wait: Duration) -> Self {
+    pub fn with_coalescing(mut self, max_rows: usize, max_batches: usize) -> Self {
         self.coalescer = Some(Coalescer::spawn(
             self.pool.clone(),
             self.statements.clone(),
             max_rows.max(1),
-            max_wait,
+            max_batches,
         ));
         self
     }
