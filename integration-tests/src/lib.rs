@@ -61,3 +61,16 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// `value` rounded, with thousands separated by commas: `54,100`.
+pub fn thousands(value: f64) -> String {
+    let digits = format!("{value:.0}");
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && digit.is_ascii_digit() && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}

@@ -4,8 +4,8 @@
 //! One consumer process of the stock-deduction route: two runners on the queue, each on
 //! its own connection (named CONNECTION_NAME, so a test can drop exactly these), through the
 //! full stack (Redis flag, Redis lock, PostgreSQL record in transactional mode; the
-//! default) or the Redis flag alone, until it is killed. Redis and PostgreSQL come from
-//! `REDIS_URL` and `DATABASE_URL`.
+//! default) or the Redis flag alone, until it is killed or the process that started it
+//! exits. Redis and PostgreSQL come from `REDIS_URL` and `DATABASE_URL`.
 
 use integration_tests::amqp::{amqp_addr, flag_only_orders_route, orders_route, test_topology};
 use integration_tests::postgres::schema_pool;
@@ -43,8 +43,21 @@ where
     }
 }
 
+/// Exits once the process that started this one is gone, so that consumers of a chaos run or
+/// a test interrupted before its cleanup do not run on forever.
+async fn exit_when_orphaned() {
+    let parent = std::os::unix::process::parent_id();
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        if std::os::unix::process::parent_id() != parent {
+            std::process::exit(0);
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() {
+    tokio::spawn(exit_when_orphaned());
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (queue, schema, prefix, stack, name) = match args.as_slice() {
         [queue, schema, prefix, rest @ ..] if rest.len() <= 2 => (

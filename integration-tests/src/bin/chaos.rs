@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use integration_tests::amqp::{connect, drain, scratch_topology};
 use integration_tests::postgres::{ScratchSchema, database_url, pool};
 use integration_tests::redis_server::ScratchRedis;
+use integration_tests::thousands;
 use lapin::types::AMQPValue;
 use oncely_amqp::{Producer, REASON_HEADER, Topology};
 
@@ -356,18 +357,6 @@ async fn publish(plan: Vec<(usize, String)>, queue: String, rate: u64) {
     }
 }
 
-fn thousands(n: impl Into<u64>) -> String {
-    let digits = n.into().to_string();
-    let mut out = String::new();
-    for (i, digit) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(digit);
-    }
-    out
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let options = match Options::parse() {
@@ -452,20 +441,24 @@ async fn main() -> ExitCode {
     let _ = writeln!(
         table,
         "| messages sent | {} |",
-        thousands(options.messages as u64)
+        thousands(options.messages as f64)
     );
-    let _ = writeln!(table, "| distinct keys | {} |", thousands(options.keys as u64));
+    let _ = writeln!(table, "| distinct keys | {} |", thousands(options.keys as f64));
     let _ = writeln!(
         table,
         "| duplicates sent | {} ({:.0} %): {} producer retries (same id), {} re-sent (new id) |",
-        thousands(duplicates as u64),
+        thousands(duplicates as f64),
         100.0 * duplicates as f64 / options.messages as f64,
-        thousands(duplicates.div_ceil(2) as u64),
-        thousands((duplicates / 2) as u64)
+        thousands(duplicates.div_ceil(2) as f64),
+        thousands((duplicates / 2) as f64)
     );
-    let _ = writeln!(table, "| effects applied | {} |", thousands(effects as u64));
+    let _ = writeln!(table, "| effects applied | {} |", thousands(effects as f64));
     let _ = writeln!(table, "| missing keys | {missing} |");
-    let _ = writeln!(table, "| keys applied more than once | {doubled} |");
+    let _ = writeln!(
+        table,
+        "| keys applied more than once | {} |",
+        thousands(doubled as f64)
+    );
     let dead_total: u64 = dead.values().sum();
     let reasons: Vec<String> = dead.iter().map(|(code, n)| format!("{code} {n}")).collect();
     let reasons = if reasons.is_empty() {

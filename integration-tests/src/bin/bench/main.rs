@@ -12,6 +12,8 @@
 //!   the Redis flag, and with the flag and the PostgreSQL record (transactional), next to a
 //!   raw lapin consumer with the same prefetch that acks each message from its own task.
 
+mod report;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::process::{Command, ExitCode};
@@ -25,6 +27,7 @@ use integration_tests::{redis_connection, unique};
 use oncely::flag::{FlagStore, RedisFlagStore};
 use oncely::record::{PgRecordStore, RecordStore};
 use oncely::{BusinessKey, Fingerprint, Token};
+use report::{CHART, Report, Row, Section, chart, machine, markdown};
 
 /// How long each measurement runs, after a warm-up of a tenth of it.
 const RUN: Duration = Duration::from_millis(1500);
@@ -77,14 +80,6 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-/// A row of a tier's table.
-struct Row {
-    what: &'static str,
-    in_flight: usize,
-    per_second: f64,
-    baseline: f64,
-}
-
 /// Measures `baseline` and each of `measured` in alternation, `ROUNDS` times, running
 /// `reset` before every measurement; one row per measured operation, with medians.
 async fn compare(in_flight: usize, reset: &Op, baseline: &Op, measured: &[(&'static str, Op)]) -> Vec<Row> {
@@ -111,23 +106,7 @@ async fn compare(in_flight: usize, reset: &Op, baseline: &Op, measured: &[(&'sta
         .collect()
 }
 
-fn print_table(title: &str, baseline_name: &str, rows: &[Row]) {
-    println!("\n### {title}\n");
-    println!("| measured | in flight | ops/s | {baseline_name} ops/s | ratio |");
-    println!("|---|---:|---:|---:|---:|");
-    for row in rows {
-        println!(
-            "| {} | {} | {:.0} | {:.0} | {:.2}× |",
-            row.what,
-            row.in_flight,
-            row.per_second,
-            row.baseline,
-            row.per_second / row.baseline
-        );
-    }
-}
-
-async fn bench_redis() -> f64 {
+async fn bench_redis(report: &mut Report) {
     let server = ScratchRedis::start();
     let connection = redis_connection(&server.url()).await;
     let store = RedisFlagStore::new(connection.clone());
@@ -187,16 +166,29 @@ async fn bench_redis() -> f64 {
         ("flag claim (`SET NX GET PX`)", claim),
         ("flag claim + complete (2 round trips)", claim_and_complete),
     ];
-    let mut rows = compare(1, &flush, &raw_set, &measured).await;
-    rows.extend(compare(64, &flush, &raw_set, &measured).await);
-    print_table("Redis flag tier", "raw `SET NX PX`", &rows);
-    if let Some(line) = redis_benchmark(&server.url()) {
-        println!(
-            "\nFor scale, redis-benchmark on the same server (64 connections, no client library): {line}"
-        );
+    let mut rows = Vec::new();
+    for level in IN_FLIGHT {
+        rows.extend(compare(level, &flush, &raw_set, &measured).await);
     }
-    let at_64 = &rows[2];
-    at_64.per_second / at_64.baseline
+    let claims_at_64 = rows
+        .iter()
+        .rfind(|row| row.what == measured[0].0)
+        .expect("a row at 64");
+    report.summary.push(format!(
+        "Redis flag claims at 64 in flight: {:.2}× raw SET NX PX (target ≥ 0.80×)",
+        claims_at_64.per_second / claims_at_64.baseline
+    ));
+    report.add_curves("Redis: ", "raw `SET NX PX`", &rows);
+    report.add(Section {
+        title: "Redis flag tier".into(),
+        baseline_name: "raw `SET NX PX`",
+        rows,
+        note: redis_benchmark(&server.url()).map(|line| {
+            format!(
+                "For scale, redis-benchmark on the same server (64 connections, no client library): {line}"
+            )
+        }),
+    });
 }
 
 /// The server's own limit for the same command, measured by redis-benchmark when present.
@@ -215,11 +207,11 @@ fn redis_benchmark(url: &str) -> Option<String> {
     Some(line.rsplit('\r').next().unwrap_or(line).trim().to_owned())
 }
 
-async fn bench_postgres() -> f64 {
+async fn bench_postgres(report: &mut Report) {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
     let single = PgRecordStore::new(pool.clone(), schema.records());
-    let coalesced = single.clone().with_coalescing(64, Duration::from_millis(2));
+    let coalesced = single.clone().with_coalescing(64, 4);
     let claim = |store: PgRecordStore| {
         op(move |i| {
             let (store, key) = (store.clone(), BusinessKey::new(i.to_string()));
@@ -232,15 +224,30 @@ async fn bench_postgres() -> f64 {
         })
     };
     let nothing = op(|_| async {});
-    let measured = [("record claim, coalesced (≤ 64 rows or 2 ms)", claim(coalesced))];
-    let rows = compare(64, &nothing, &claim(single), &measured).await;
-    print_table(
-        "PostgreSQL record tier (three-step claims, pool of 16)",
-        "single-row claim",
-        &rows,
-    );
-    rows[0].per_second / rows[0].baseline
+    let measured = [(
+        "record claim, coalesced (≤ 64 rows, ≤ 4 batches on the wire)",
+        claim(coalesced),
+    )];
+    let mut rows = Vec::new();
+    for level in IN_FLIGHT {
+        rows.extend(compare(level, &nothing, &claim(single.clone()), &measured).await);
+    }
+    let at_64 = rows.last().expect("a row at 64");
+    report.summary.push(format!(
+        "PostgreSQL coalesced claims at 64 in flight: {:.2}× single-row (target ≥ 10×)",
+        at_64.per_second / at_64.baseline
+    ));
+    report.add_curves("PostgreSQL: ", "single-row claim", &rows);
+    report.add(Section {
+        title: "PostgreSQL record tier (three-step claims, pool of 16)".into(),
+        baseline_name: "single-row claim",
+        rows,
+        note: None,
+    });
 }
+
+/// The in-flight levels the tier benchmarks measure at, for the chart.
+const IN_FLIGHT: [usize; 4] = [1, 4, 16, 64];
 
 /// Messages per AMQP measurement, published before the clock starts.
 const AMQP_MESSAGES: usize = 10_000;
@@ -339,7 +346,7 @@ where
     rate
 }
 
-async fn bench_amqp() -> f64 {
+async fn bench_amqp(report: &mut Report) {
     use oncely::flag::{FlagLayer, RedisFlagStore};
     use oncely::record::{PgTransaction, PgTransactionalLayer};
     use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
@@ -437,42 +444,49 @@ async fn bench_amqp() -> f64 {
             baseline: raw,
         })
         .collect();
-    print_table(
-        &format!("RabbitMQ end to end ({AMQP_MESSAGES} messages, prefetch {AMQP_PREFETCH})"),
-        "raw lapin consumer, msgs",
-        &rows,
-    );
-    rows[1].per_second / rows[1].baseline
+    report.summary.push(format!(
+        "RabbitMQ runner with the Redis flag: {:.2}× a raw lapin consumer (target ≥ 0.70×)",
+        rows[1].per_second / rows[1].baseline
+    ));
+    report.add(Section {
+        title: format!("RabbitMQ end to end ({AMQP_MESSAGES} messages, prefetch {AMQP_PREFETCH})"),
+        baseline_name: "raw lapin consumer, messages",
+        rows,
+        note: None,
+    });
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
     let tiers: Vec<String> = std::env::args().skip(1).collect();
     let wanted = |tier: &str| tiers.is_empty() || tiers.iter().any(|t| t == tier || t == "all");
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    println!("## oncely benchmarks ({cores} cores)");
-    let mut summary = Vec::new();
+    let machine = machine();
+    println!("## oncely benchmarks\n\n{machine}");
+    let mut report = Report::default();
     if wanted("redis") {
-        let ratio = bench_redis().await;
-        summary.push(format!(
-            "Redis flag claims at 64 in flight: {ratio:.2}× raw SET NX PX (target ≥ 0.80×)"
-        ));
+        bench_redis(&mut report).await;
     }
     if wanted("postgres") {
-        let ratio = bench_postgres().await;
-        summary.push(format!(
-            "PostgreSQL coalesced claims at 64 in flight: {ratio:.2}× single-row (target ≥ 10×)"
-        ));
+        bench_postgres(&mut report).await;
     }
     if wanted("amqp") {
-        let ratio = bench_amqp().await;
-        summary.push(format!(
-            "RabbitMQ runner with the Redis flag: {ratio:.2}× a raw lapin consumer (target ≥ 0.70×)"
-        ));
+        bench_amqp(&mut report).await;
     }
     println!();
-    for line in summary {
+    for line in &report.summary {
         println!("{line}");
     }
-    ExitCode::SUCCESS
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let written = std::fs::write(root.join(CHART), chart(&report.series))
+        .and_then(|()| std::fs::write(root.join("BENCHMARKS.md"), markdown(&machine, &report)));
+    match written {
+        Ok(()) => {
+            println!("\nwrote BENCHMARKS.md and {CHART}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("could not write the report: {error}");
+            ExitCode::FAILURE
+        }
+    }
 }
