@@ -81,7 +81,9 @@ impl Report {
             if !baseline.points.iter().any(|(level, _)| *level == row.in_flight) {
                 baseline.points.push((row.in_flight, row.baseline));
             }
-            let name = format!("{prefix}{}", row.what);
+            // The chart's legend has room for the name, not the parenthesised detail.
+            let short = row.what.split(" (").next().unwrap_or(row.what);
+            let name = format!("{prefix}{short}");
             match self.series.iter_mut().find(|series| series.name == name) {
                 Some(series) => series.points.push((row.in_flight, row.per_second)),
                 None => self.series.push(Series {
