@@ -96,6 +96,13 @@ pub enum Error {
         /// The name as given.
         identifier: String,
     },
+    /// A pre-filter was sized with an impossible expected item count or false-positive rate
+    /// (configuration error).
+    #[error("invalid pre-filter: {reason}")]
+    InvalidPreFilter {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A tier's store failed: unreachable, timed out or answered with an error.
     #[error("{tier} store failed: {source}")]
     Store {
@@ -144,6 +151,7 @@ impl Error {
             Error::InvalidTemplate { .. }
                 | Error::InvalidStateMachine { .. }
                 | Error::InvalidIdentifier { .. }
+                | Error::InvalidPreFilter { .. }
         )
     }
 }

@@ -73,6 +73,8 @@ mod outcome;
 mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "prefilter")]
+pub mod prefilter;
 pub mod record;
 #[cfg(feature = "redis")]
 mod redis_backend;

@@ -144,6 +144,9 @@ impl FlagStore for Unreachable {
     async fn complete(&self, _: &BusinessKey, _: Token, _: Fingerprint, _: Duration) -> Result<bool, Error> {
         Err(Error::store(Tier::Flag, "connection refused"))
     }
+    async fn mark_done(&self, _: &BusinessKey, _: Fingerprint, _: Duration) -> Result<(), Error> {
+        Err(Error::store(Tier::Flag, "connection refused"))
+    }
     async fn release(&self, _: &BusinessKey, _: Token) -> Result<bool, Error> {
         Err(Error::store(Tier::Flag, "connection refused"))
     }

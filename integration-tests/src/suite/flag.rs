@@ -45,6 +45,24 @@ pub async fn a_completed_claim_is_done_with_its_fingerprint<S: FlagStore>(store:
     );
 }
 
+/// A key marked done without a claim answers claims as done, even over an in-flight marker.
+pub async fn a_key_marked_done_without_a_claim_is_done<S: FlagStore>(store: S) {
+    let (marked, other) = (key("flag-mark-done"), key("flag-mark-done-over-claim"));
+    let (fingerprint, token) = (Fingerprint::of(b"payload"), Token::random());
+    store.mark_done(&marked, fingerprint, RETENTION).await.unwrap();
+    assert_eq!(
+        store.claim(&marked, Token::random(), LEASE).await.unwrap(),
+        Claim::Done(fingerprint)
+    );
+
+    assert_eq!(store.claim(&other, token, LEASE).await.unwrap(), Claim::Won);
+    store.mark_done(&other, fingerprint, RETENTION).await.unwrap();
+    assert_eq!(
+        store.claim(&other, Token::random(), LEASE).await.unwrap(),
+        Claim::Done(fingerprint)
+    );
+}
+
 /// A released claim lets the next claim win.
 pub async fn a_released_claim_can_be_claimed_again<S: FlagStore>(store: S) {
     let (key, token) = (key("flag-release"), Token::random());
@@ -134,6 +152,7 @@ macro_rules! flag_store_suite {
             [
                 one_of_many_concurrent_claims_wins,
                 a_completed_claim_is_done_with_its_fingerprint,
+                a_key_marked_done_without_a_claim_is_done,
                 a_released_claim_can_be_claimed_again,
                 complete_and_release_refuse_a_wrong_token,
                 an_expired_lease_lets_a_new_claim_in,

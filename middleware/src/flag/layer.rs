@@ -17,6 +17,7 @@ pub struct FlagLayer<St> {
     pub(super) retention: Duration,
     pub(super) in_flight_delay: Duration,
     pub(super) on_store_error: FailurePolicy,
+    pub(super) skip_claim_when_certainly_new: bool,
 }
 
 impl<St> FlagLayer<St> {
@@ -30,6 +31,7 @@ impl<St> FlagLayer<St> {
             retention: retention_for(retry_window),
             in_flight_delay: Duration::from_secs(1),
             on_store_error: FailurePolicy::FailOpen,
+            skip_claim_when_certainly_new: false,
         }
     }
 
@@ -56,6 +58,18 @@ impl<St> FlagLayer<St> {
     /// What to do when the store fails (default [`FailurePolicy::FailOpen`]).
     pub fn with_failure_policy(mut self, policy: FailurePolicy) -> Self {
         self.on_store_error = policy;
+        self
+    }
+
+    /// Lets an envelope that a [pre-filter](crate::prefilter) found certainly new skip the
+    /// claim: the tiers behind run at once, and once they settled the key it is marked done
+    /// (one round trip instead of two).
+    ///
+    /// Only with a durable tier behind this flag (the record): the flag's claim is then a
+    /// lookup in a cache and the record's claim is the atomic one, which tells two copies of
+    /// a new key apart. With the flag as the only key tier, two such copies would both run.
+    pub fn skip_claim_when_certainly_new(mut self) -> Self {
+        self.skip_claim_when_certainly_new = true;
         self
     }
 

@@ -75,6 +75,19 @@ impl FlagStore for MemoryFlagStore {
         Ok(self.swap_if_held(key, token, Some((Marker::Done(fingerprint), retention))))
     }
 
+    async fn mark_done(
+        &self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        retention: Duration,
+    ) -> Result<(), Error> {
+        let now = Instant::now();
+        self.markers
+            .lock()
+            .insert(key.clone(), Marker::Done(fingerprint), now + retention);
+        Ok(())
+    }
+
     async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, Error> {
         Ok(self.swap_if_held(key, token, None))
     }

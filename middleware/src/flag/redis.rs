@@ -126,6 +126,22 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
             .map_err(store_error(Tier::Flag))
     }
 
+    async fn mark_done(
+        &self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        retention: Duration,
+    ) -> Result<(), Error> {
+        redis::cmd("SET")
+            .arg(self.redis_key(key))
+            .arg(format!("{DONE}{fingerprint}"))
+            .arg("PX")
+            .arg(millis(retention))
+            .query_async(&mut self.connection.clone())
+            .await
+            .map_err(store_error(Tier::Flag))
+    }
+
     async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, Error> {
         COMPARE_AND_DELETE
             .key(self.redis_key(key))

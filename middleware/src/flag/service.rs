@@ -39,6 +39,15 @@ where
         Box::pin(async move {
             let key = envelope.key().clone();
             let fingerprint = envelope.fingerprint();
+            if config.skip_claim_when_certainly_new && certainly_new(&envelope) {
+                let answer = inner.call(envelope).await;
+                if matches!(&answer, Ok(outcome) if outcome.is_settled())
+                    && let Err(error) = config.store.mark_done(&key, fingerprint, config.retention).await
+                {
+                    tracing::warn!(%key, %error, "flag store failed while marking a certainly new key done");
+                }
+                return answer;
+            }
             let token = Token::random();
             match config.store.claim(&key, token, config.lease).await {
                 Ok(Claim::Won) => {}
@@ -98,4 +107,18 @@ where
             answer
         })
     }
+}
+
+#[cfg(feature = "prefilter")]
+fn certainly_new(envelope: &Envelope) -> bool {
+    envelope
+        .extensions()
+        .get::<crate::prefilter::CertainlyNew>()
+        .is_some()
+}
+
+/// Without the pre-filter tier nothing marks envelopes certainly new.
+#[cfg(not(feature = "prefilter"))]
+fn certainly_new(_: &Envelope) -> bool {
+    false
 }

@@ -40,6 +40,16 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
         retention: Duration,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
 
+    /// Marks `key` "done with `fingerprint`" for `retention` without a claim, replacing any
+    /// marker: for a delivery the durable tier behind has already settled without the flag
+    /// claiming it (a [pre-filter](crate::prefilter) found the key certainly new).
+    fn mark_done(
+        &self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
     /// Deletes the in-flight marker held by `token`. Returns false (and changes nothing) when
     /// the marker is not `token`'s.
     fn release(&self, key: &BusinessKey, token: Token) -> impl Future<Output = Result<bool, Error>> + Send;

@@ -1,0 +1,42 @@
+//! The pre-filter tier: a local memory of settled keys that answers "certainly new" without
+//! a round trip.
+//!
+//! Most messages are not duplicates. A [`BloomPreFilter`] (or, for numeric ids, an exact
+//! [`BitmapPreFilter`]) in front of the stack says of each key either
+//! [`Verdict::CertainlyNew`] — it was never settled here — or [`Verdict::MaybeSeen`]. A
+//! certainly new envelope carries the [`CertainlyNew`] extension, and the tiers behind that
+//! support it skip their lookups: a [flag](crate::flag) configured with
+//! [`skip_claim_when_certainly_new`](crate::flag::FlagLayer::skip_claim_when_certainly_new)
+//! skips its Redis claim and only marks the key done afterwards. The durable tier's atomic
+//! claim (the [record](crate::record)) always runs: it stays the final word, so two copies
+//! of a new key that both look certainly new are still told apart there. "Maybe seen" goes
+//! through every tier.
+//!
+//! The filter remembers a key only after the tiers behind it settled it (processed, a
+//! duplicate or stale): the durable tier first, then the filter. Losing the filter — a
+//! restart, a rebalance that sends keys elsewhere — therefore only costs speed: keys look
+//! new again and take the full path to the durable tier, which answers for them.
+//!
+//! Limits: the filter is local to one process. It pays off when the same key keeps reaching
+//! the same consumer (one partition or queue per key range); a copy that reaches another
+//! consumer looks new there and goes to the durable tier. A Bloom filter's false positives
+//! ("maybe seen" for a new key) send that key through the full path, never skip it. A
+//! filter filled beyond its expected item count has more false positives, not wrong
+//! answers. Both backends start empty.
+
+mod bitmap;
+mod bloom;
+mod layer;
+mod service;
+mod store;
+
+pub use bitmap::BitmapPreFilter;
+pub use bloom::BloomPreFilter;
+pub use layer::PreFilterLayer;
+pub use service::PreFilterService;
+pub use store::{PreFilter, Verdict};
+
+/// The envelope extension a [`PreFilterService`] sets when its filter found the key
+/// certainly new. Tiers read it with `envelope.extensions().get::<CertainlyNew>()`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CertainlyNew;
