@@ -404,3 +404,48 @@ async fn status_and_version_helpers_change_a_row_only_from_the_expected_state() 
         3
     );
 }
+
+#[tokio::test]
+async fn a_pre_filter_rebuilt_from_the_records_knows_the_recent_successes_only() {
+    use oncely::prefilter::{BitmapPreFilter, PreFilter, Verdict, rebuild_from_records};
+
+    let pool = pool(2);
+    let schema = ScratchSchema::new(&pool).await;
+    schema
+        .execute(
+            "INSERT INTO consumption_record (message_key, status, payload_fingerprint)
+                 SELECT n::text, 'SUCCESS', 'f' FROM generate_series(1, 25000) n;
+             INSERT INTO consumption_record (message_key, status, payload_fingerprint, updated_at)
+                 VALUES ('25001', 'PROCESSING', 'f', now()), ('25002', 'FAILURE', 'f', now()),
+                        ('25003', 'SUCCESS', 'f', now() - interval '2 hours');",
+        )
+        .await;
+
+    let filter = BitmapPreFilter::new(0);
+    let mut reported = Vec::new();
+    let read = rebuild_from_records(
+        &filter,
+        &pool,
+        &schema.records(),
+        Duration::from_secs(3600),
+        |so_far| reported.push(so_far),
+    )
+    .await
+    .unwrap();
+    assert_eq!(read, 25_000);
+    assert_eq!(reported, [10_000, 20_000, 25_000], "progress after each batch");
+    let verdict = |key: &str| filter.check(&BusinessKey::new(key));
+    assert_eq!(verdict("1"), Verdict::MaybeSeen);
+    assert_eq!(verdict("25000"), Verdict::MaybeSeen);
+    assert_eq!(
+        verdict("25001"),
+        Verdict::CertainlyNew,
+        "still processing: not settled"
+    );
+    assert_eq!(verdict("25002"), Verdict::CertainlyNew, "failed: not settled");
+    assert_eq!(
+        verdict("25003"),
+        Verdict::CertainlyNew,
+        "settled before the window"
+    );
+}

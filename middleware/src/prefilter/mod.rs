@@ -22,17 +22,22 @@
 //! consumer looks new there and goes to the durable tier. A Bloom filter's false positives
 //! ("maybe seen" for a new key) send that key through the full path, never skip it. A
 //! filter filled beyond its expected item count has more false positives, not wrong
-//! answers. Both backends start empty.
+//! answers. Both backends start empty; with the `postgres` feature,
+//! [`rebuild_from_records`] fills one on start from the record table's recent successes.
 
 mod bitmap;
 mod bloom;
 mod layer;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod service;
 mod store;
 
 pub use bitmap::BitmapPreFilter;
 pub use bloom::BloomPreFilter;
 pub use layer::PreFilterLayer;
+#[cfg(feature = "postgres")]
+pub use postgres::rebuild_from_records;
 pub use service::PreFilterService;
 pub use store::{PreFilter, Verdict};
 
