@@ -81,6 +81,7 @@ mod redis_backend;
 mod route;
 mod service;
 pub mod state_guard;
+pub mod telemetry;
 mod token;
 
 pub use envelope::{

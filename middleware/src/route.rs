@@ -106,10 +106,11 @@ where
             if let Err(error) = poll_fn(|cx| stack.poll_ready(cx)).await {
                 return failed(error);
             }
-            stack
-                .call(Envelope::new(key, delivery))
-                .await
-                .unwrap_or_else(failed)
+            let mut envelope = Envelope::new(key, delivery);
+            envelope
+                .extensions_mut()
+                .insert(crate::telemetry::RouteName(self.name.clone()));
+            stack.call(envelope).await.unwrap_or_else(failed)
         }
         .instrument(span.clone())
         .await;
@@ -123,6 +124,7 @@ where
             outcome => outcome,
         };
         span.in_scope(|| tracing::debug!(?outcome, "settled"));
+        crate::telemetry::count_outcome(&self.name, &outcome);
         outcome
     }
 }

@@ -89,13 +89,16 @@ fn retention_for(retry_window: Duration) -> Duration {
 }
 
 impl<S, St: Clone> Layer<S> for FlagLayer<St> {
-    type Service = FlagService<S, St>;
+    type Service = crate::telemetry::Measured<FlagService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        FlagService {
-            inner,
-            config: self.clone(),
-        }
+        crate::telemetry::Measured::new(
+            FlagService {
+                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Flag),
+                config: self.clone(),
+            },
+            crate::outcome::Tier::Flag,
+        )
     }
 }
 

@@ -71,6 +71,7 @@ where
                     return match config.on_store_error {
                         FailurePolicy::FailOpen => {
                             tracing::warn!(%key, %error, "flag store failed; passing to the tiers behind");
+                            crate::telemetry::count_store_error(&envelope, Tier::Flag);
                             inner.call(envelope).await
                         }
                         FailurePolicy::FailClosed => Ok(Outcome::retry_later(

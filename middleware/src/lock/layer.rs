@@ -64,12 +64,15 @@ impl<St> LockLayer<St> {
 }
 
 impl<S, St: Clone> Layer<S> for LockLayer<St> {
-    type Service = LockService<S, St>;
+    type Service = crate::telemetry::Measured<LockService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        LockService {
-            inner,
-            config: self.clone(),
-        }
+        crate::telemetry::Measured::new(
+            LockService {
+                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Lock),
+                config: self.clone(),
+            },
+            crate::outcome::Tier::Lock,
+        )
     }
 }

@@ -64,6 +64,7 @@ where
                     return match config.on_store_error {
                         FailurePolicy::FailOpen => {
                             tracing::warn!(%entity, %error, "lock store failed; running without the lock");
+                            crate::telemetry::count_store_error(&envelope, Tier::Lock);
                             inner.call(envelope).await
                         }
                         FailurePolicy::FailClosed => Ok(Outcome::retry_later(

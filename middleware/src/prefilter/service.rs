@@ -46,9 +46,11 @@ where
         let filter = self.filter.clone();
         Box::pin(async move {
             let key = envelope.key().clone();
-            if filter.check(&key) == Verdict::CertainlyNew {
+            let verdict = filter.check(&key);
+            if verdict == Verdict::CertainlyNew {
                 envelope.extensions_mut().insert(CertainlyNew);
             }
+            crate::telemetry::count_prefilter_verdict(&envelope, verdict);
             let answer = inner.call(envelope).await;
             // Only after the tiers behind settled the key: remembering it earlier would let a
             // copy skip lookups while the first delivery might still fail.

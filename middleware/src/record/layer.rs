@@ -37,12 +37,15 @@ impl<St> RecordLayer<St> {
 }
 
 impl<S, St: Clone> Layer<S> for RecordLayer<St> {
-    type Service = RecordService<S, St>;
+    type Service = crate::telemetry::Measured<RecordService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RecordService {
-            inner,
-            config: self.clone(),
-        }
+        crate::telemetry::Measured::new(
+            RecordService {
+                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Record),
+                config: self.clone(),
+            },
+            crate::outcome::Tier::Record,
+        )
     }
 }

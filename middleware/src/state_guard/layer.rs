@@ -27,12 +27,15 @@ impl<St> StateGuardLayer<St> {
 }
 
 impl<S, St: Clone> Layer<S> for StateGuardLayer<St> {
-    type Service = StateGuardService<S, St>;
+    type Service = crate::telemetry::Measured<StateGuardService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        StateGuardService {
-            inner,
-            config: self.clone(),
-        }
+        crate::telemetry::Measured::new(
+            StateGuardService {
+                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::StateGuard),
+                config: self.clone(),
+            },
+            crate::outcome::Tier::StateGuard,
+        )
     }
 }

@@ -98,13 +98,16 @@ impl fmt::Debug for PgTransactionalLayer {
 }
 
 impl<S> Layer<S> for PgTransactionalLayer {
-    type Service = PgTransactionalService<S>;
+    type Service = crate::telemetry::Measured<PgTransactionalService<crate::telemetry::Passed<S>>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        PgTransactionalService {
-            inner,
-            config: self.clone(),
-        }
+        crate::telemetry::Measured::new(
+            PgTransactionalService {
+                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Record),
+                config: self.clone(),
+            },
+            crate::outcome::Tier::Record,
+        )
     }
 }
 
