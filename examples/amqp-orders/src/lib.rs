@@ -17,6 +17,16 @@ pub fn setting(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
+/// Serves the tiers' metrics for Prometheus at `http://METRICS_ADDR/metrics` (default
+/// `127.0.0.1:9464`).
+pub fn serve_metrics() -> Result<std::net::SocketAddr, Box<dyn std::error::Error>> {
+    let address: std::net::SocketAddr = setting("METRICS_ADDR", "127.0.0.1:9464").parse()?;
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(address)
+        .install()?;
+    Ok(address)
+}
+
 /// `AMQP_ADDR`, default `amqp://guest:guest@127.0.0.1:5672/%2f`.
 pub fn amqp_addr() -> String {
     setting("AMQP_ADDR", "amqp://guest:guest@127.0.0.1:5672/%2f")

@@ -22,6 +22,16 @@ pub fn setting(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
+/// Serves the tiers' metrics for Prometheus at `http://METRICS_ADDR/metrics` (default
+/// `127.0.0.1:9465`).
+pub fn serve_metrics() -> Result<std::net::SocketAddr, Box<dyn std::error::Error>> {
+    let address: std::net::SocketAddr = setting("METRICS_ADDR", "127.0.0.1:9465").parse()?;
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(address)
+        .install()?;
+    Ok(address)
+}
+
 /// `ROCKETMQ_NAMESRV`, default `127.0.0.1:9876`.
 pub fn namesrv_addr() -> String {
     setting("ROCKETMQ_NAMESRV", "127.0.0.1:9876")

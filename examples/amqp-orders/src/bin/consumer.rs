@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use amqp_orders::{QUEUE, SCHEMA, SKUS, amqp_addr, pool, setting};
+use amqp_orders::{QUEUE, SCHEMA, SKUS, amqp_addr, pool, serve_metrics, setting};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::postgres::{Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
@@ -70,6 +70,8 @@ async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Re
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let drain = std::env::args().any(|arg| arg == "--drain");
+    let metrics = serve_metrics()?;
+    println!("metrics at http://{metrics}/metrics");
     let pool = pool();
     let records = Table::new(SCHEMA, "consumption_record")?;
     prepare_database(&pool, &records).await?;

@@ -24,7 +24,9 @@ use oncely_rocketmq::rocketmq_client_rust::{
 use oncely_rocketmq::rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::{ConcurrentListener, DeadLetterTopic, OwnedClientRuntime, REASON_PROPERTY};
-use rocketmq_points::{DEAD_LETTER_TOPIC, GROUP, SCHEMA, TOPIC, namesrv_addr, pool, setting, start_producer};
+use rocketmq_points::{
+    DEAD_LETTER_TOPIC, GROUP, SCHEMA, TOPIC, namesrv_addr, pool, serve_metrics, setting, start_producer,
+};
 use tower::ServiceBuilder;
 
 async fn credit_points(envelope: Envelope) -> Result<(), HandlerError> {
@@ -103,6 +105,8 @@ fn consumer(runtime: &OwnedClientRuntime, group: &str) -> DefaultMQPushConsumer 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let drain = std::env::args().any(|arg| arg == "--drain");
+    let metrics = serve_metrics()?;
+    println!("metrics at http://{metrics}/metrics");
     let pool = pool();
     let records = Table::new(SCHEMA, "consumption_record")?;
     prepare_database(&pool, &records).await?;
