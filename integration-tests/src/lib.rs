@@ -15,6 +15,7 @@
 pub mod amqp;
 pub mod outcomes;
 pub mod postgres;
+pub mod recorder;
 pub mod redis_server;
 pub mod rocketmq;
 pub mod suite;

@@ -1,4 +1,14 @@
-//! The store suites against the in-memory backends.
+//! The store suites against the in-memory backends, and the tiers' metrics on them.
+
+use std::time::Duration;
+
+use integration_tests::recorder::Counts;
+use oncely::flag::FlagLayer;
+use oncely::record::RecordLayer;
+use oncely::{
+    Broker, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier, handler_fn,
+};
+use tower::ServiceBuilder;
 
 use oncely::flag::MemoryFlagStore;
 use oncely::lock::MemoryLockStore;
@@ -25,3 +35,51 @@ integration_tests::flag_store_suite!(flag_store);
 integration_tests::lock_store_suite!(lock_store);
 integration_tests::record_store_suite!(record_store);
 integration_tests::state_store_suite!(state_store);
+
+#[test]
+fn each_tier_counts_what_reached_it_what_it_caught_and_what_it_passed_on() {
+    let counts = Counts::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let order = |id: &str| {
+        Delivery::new(
+            Source::new(Broker::InProcess, "orders"),
+            format!(r#"{{"orderId":"{id}"}}"#),
+        )
+    };
+    metrics::with_local_recorder(&counts, || {
+        runtime.block_on(async {
+            let stack = ServiceBuilder::new()
+                .layer(FlagLayer::new(MemoryFlagStore::new(), Duration::from_secs(600)))
+                .layer(RecordLayer::new(MemoryRecordStore::new()))
+                .service(handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) }));
+            let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), stack);
+            assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+            assert_eq!(
+                route.handle(order("o-1")).await,
+                Outcome::Duplicate { tier: Tier::Flag }
+            );
+            assert_eq!(route.handle(order("o-2")).await, Outcome::Processed);
+        });
+    });
+
+    let tier = |name: &str, tier: &str| counts.get(&format!("{name}{{route=orders,tier={tier}}}"));
+    assert_eq!(tier("oncely_tier_envelopes_total", "flag"), 3);
+    assert_eq!(tier("oncely_tier_duplicates_total", "flag"), 1);
+    assert_eq!(tier("oncely_tier_passed_total", "flag"), 2);
+    assert_eq!(tier("oncely_tier_seconds", "flag"), 3, "one latency per envelope");
+    assert_eq!(tier("oncely_tier_envelopes_total", "record"), 2);
+    assert_eq!(tier("oncely_tier_duplicates_total", "record"), 0);
+    assert_eq!(tier("oncely_tier_passed_total", "record"), 2);
+    assert_eq!(tier("oncely_tier_errors_total", "flag"), 0);
+    assert_eq!(
+        counts.get("oncely_outcomes_total{route=orders,outcome=processed}"),
+        2
+    );
+    assert_eq!(
+        counts.get("oncely_outcomes_total{route=orders,outcome=duplicate}"),
+        1
+    );
+}

@@ -91,7 +91,13 @@ where
     /// [`RetryLater`](Outcome::RetryLater).
     pub async fn handle(&self, delivery: Delivery) -> Outcome {
         let attempt = delivery.attempt();
-        let span = tracing::debug_span!("oncely", route = %self.name, key = tracing::field::Empty, attempt);
+        let span = tracing::debug_span!(
+            "oncely",
+            route = %self.name,
+            key = tracing::field::Empty,
+            attempt,
+            outcome = tracing::field::Empty
+        );
         let outcome = async {
             let key = match self.key.extract(&delivery) {
                 Ok(key) => key,
@@ -123,6 +129,7 @@ where
             }
             outcome => outcome,
         };
+        span.record("outcome", tracing::field::display(&outcome));
         span.in_scope(|| tracing::debug!(?outcome, "settled"));
         crate::telemetry::count_outcome(&self.name, &outcome);
         outcome

@@ -1,19 +1,23 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench -- [TIER...]`).
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
-//! run, and prints a table per tier with the ratio. Tiers: `redis`, `postgres`, `amqp`.
+//! run, prints a table per tier with the ratio and writes them to `BENCHMARKS.md`. Tiers:
+//! `redis`, `postgres`, `amqp`, `prefilter`.
 //!
 //! - `redis`: flag claims next to raw `SET NX PX`, on a `redis-server` the bench starts
 //!   itself on a free port and empties before every measurement, so each starts from the
 //!   same empty keyspace and the machine's shared Redis is left alone.
 //! - `postgres`: three-step record claims, single-row next to coalesced, on `DATABASE_URL`
 //!   in a schema of the bench's own, dropped afterwards.
+//! - `prefilter`: at 1 %, 10 % and 50 % duplicates, how many envelopes make a Redis claim
+//!   and reach PostgreSQL with and without a Bloom pre-filter, and messages per second.
 //! - `amqp`: end-to-end messages per second through the RabbitMQ runner with no tiers, with
 //!   the Redis flag, and with the flag and the PostgreSQL record (transactional), next to a
 //!   raw lapin consumer with the same prefetch that acks each message from its own task.
 
 mod report;
 
+use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::{Command, ExitCode};
@@ -464,6 +468,161 @@ async fn bench_amqp(report: &mut Report) {
     });
 }
 
+/// Deliveries per pre-filter measurement.
+const PREFILTER_MESSAGES: usize = 20_000;
+
+/// The counts the tiers recorded, for the pre-filter bench (installed as the global
+/// recorder by `main`).
+static COUNTS: std::sync::LazyLock<integration_tests::recorder::Counts> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Runs every body through `route` from 64 concurrent tasks.
+async fn deliver_all<S>(route: oncely::Route<S>, bodies: Vec<String>)
+where
+    S: tower::Service<oncely::Envelope, Response = oncely::Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let bodies = Arc::new(bodies);
+    let next = Arc::new(AtomicU64::new(0));
+    let workers: Vec<_> = (0..64)
+        .map(|_| {
+            let (route, bodies, next) = (route.clone(), bodies.clone(), next.clone());
+            tokio::spawn(async move {
+                while let Some(body) = bodies.get(next.fetch_add(1, Ordering::Relaxed) as usize) {
+                    let delivery = oncely::Delivery::new(
+                        oncely::Source::new(oncely::Broker::InProcess, "bench"),
+                        body.clone(),
+                    );
+                    // A copy that meets its order in flight answers "retry later"; the order
+                    // itself is settled by the other delivery, so nothing is redelivered here.
+                    let _ = route.handle(delivery).await;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.expect("a bench worker");
+    }
+}
+
+/// At 1 %, 10 % and 50 % duplicates: how many envelopes make a Redis claim and reach
+/// PostgreSQL, with and without a Bloom pre-filter in front of the flag (which then skips its
+/// claim for certainly new keys), and the messages per second through the whole stack.
+async fn bench_prefilter(report: &mut Report) {
+    use oncely::flag::FlagLayer;
+    use oncely::prefilter::{BloomPreFilter, PreFilterLayer};
+    use oncely::record::{PgTransaction, PgTransactionalLayer};
+    use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
+    use tower::ServiceBuilder;
+
+    let redis = ScratchRedis::start();
+    let pool = pool(16);
+    let schema = ScratchSchema::new(&pool).await;
+    let schema_pool = integration_tests::postgres::schema_pool(schema.name(), 16);
+    schema
+        .execute("CREATE TABLE moves (order_id TEXT NOT NULL)")
+        .await;
+    let handler = handler_fn(|envelope: Envelope| async move {
+        let tx = envelope
+            .extensions()
+            .get::<PgTransaction>()
+            .expect("a transaction")
+            .clone();
+        tx.client()
+            .execute(
+                "INSERT INTO moves (order_id) VALUES ($1)",
+                &[&envelope.key().as_str()],
+            )
+            .await?;
+        Ok::<(), HandlerError>(())
+    });
+
+    let mut rows = Vec::new();
+    let mut reach = String::from(
+        "| duplicates | pre-filter | certainly new | Redis claims | reach PostgreSQL | messages/s |\n|---:|---|---:|---:|---:|---:|\n",
+    );
+    for duplicate_percent in [1_usize, 10, 50] {
+        let mut without = 0.0;
+        for with_filter in [false, true] {
+            let name = format!("prefilter-{duplicate_percent}-{with_filter}-{}", Token::random());
+            let flag = FlagLayer::new(
+                RedisFlagStore::new(redis_connection(&redis.url()).await).with_prefix(unique("bench")),
+                Duration::from_secs(600),
+            )
+            .skip_claim_when_certainly_new();
+            let records = PgTransactionalLayer::new(schema_pool.clone(), schema.records());
+            // Distinct orders first, then the copies, spread over them: a copy finds its
+            // order settled, as a redelivery or a producer retry would.
+            let distinct = PREFILTER_MESSAGES * (100 - duplicate_percent) / 100;
+            let bodies: Vec<String> = (0..PREFILTER_MESSAGES)
+                .map(|n| {
+                    let order = if n < distinct { n } else { (n * 7919) % distinct };
+                    format!(r#"{{"orderId":"{name}-{order}"}}"#)
+                })
+                .collect();
+            let key = KeyExtractor::json_pointer("/orderId");
+            let started = Instant::now();
+            if with_filter {
+                let filter =
+                    PreFilterLayer::new(BloomPreFilter::new(PREFILTER_MESSAGES, 0.01).expect("a valid size"));
+                let stack = ServiceBuilder::new()
+                    .layer(filter)
+                    .layer(flag)
+                    .layer(records)
+                    .service(handler.clone());
+                deliver_all(Route::new(name.clone(), key, stack), bodies).await;
+            } else {
+                let stack = ServiceBuilder::new()
+                    .layer(flag)
+                    .layer(records)
+                    .service(handler.clone());
+                deliver_all(Route::new(name.clone(), key, stack), bodies).await;
+            }
+            let per_second = PREFILTER_MESSAGES as f64 / started.elapsed().as_secs_f64();
+            let count =
+                |metric: &str, tier: &str| COUNTS.get(&format!("{metric}{{route={name},tier={tier}}}"));
+            let certainly_new = COUNTS.get(&format!(
+                "oncely_prefilter_verdicts_total{{route={name},verdict=certainly_new}}"
+            ));
+            let claims = count("oncely_tier_envelopes_total", "flag") - certainly_new;
+            let postgres = count("oncely_tier_envelopes_total", "record");
+            let _ = writeln!(
+                reach,
+                "| {duplicate_percent} % | {} | {certainly_new} | {claims} | {postgres} | {per_second:.0} |",
+                if with_filter { "Bloom, 1 %" } else { "none" }
+            );
+            if with_filter {
+                rows.push(Row {
+                    what: [
+                        "1 % duplicates, with pre-filter",
+                        "10 % duplicates, with pre-filter",
+                        "50 % duplicates, with pre-filter",
+                    ][[1, 10, 50]
+                        .iter()
+                        .position(|p| *p == duplicate_percent)
+                        .expect("a rate")],
+                    in_flight: 64,
+                    per_second,
+                    baseline: without,
+                });
+            } else {
+                without = per_second;
+            }
+        }
+    }
+    report.add(Section {
+        title: format!(
+            "Pre-filter: Redis flag + PostgreSQL record (transactional), {PREFILTER_MESSAGES} deliveries, in process"
+        ),
+        baseline_name: "without pre-filter, messages",
+        rows,
+        note: Some(format!(
+            "Where the envelopes went ({PREFILTER_MESSAGES} each run; a certainly new key skips the Redis claim and is marked done with one write after PostgreSQL settled it):\n\n{reach}"
+        )),
+    });
+}
+
 /// `ratio` next to the target an issue set for it.
 fn against(ratio: f64, baseline: &str, target: f64) -> String {
     let verdict = if ratio >= target { "met" } else { "not met" };
@@ -474,6 +633,9 @@ fn against(ratio: f64, baseline: &str, target: f64) -> String {
 async fn main() -> ExitCode {
     let tiers: Vec<String> = std::env::args().skip(1).collect();
     let wanted = |tier: &str| tiers.is_empty() || tiers.iter().any(|t| t == tier || t == "all");
+    if metrics::set_global_recorder(&*COUNTS).is_err() {
+        eprintln!("another metrics recorder is installed; the pre-filter counts will read 0");
+    }
     let machine = machine();
     println!("## oncely benchmarks\n\n{machine}");
     let mut report = Report::default();
@@ -485,6 +647,9 @@ async fn main() -> ExitCode {
     }
     if wanted("amqp") {
         bench_amqp(&mut report).await;
+    }
+    if wanted("prefilter") {
+        bench_prefilter(&mut report).await;
     }
     println!();
     for line in &report.summary {
