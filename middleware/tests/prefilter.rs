@@ -34,6 +34,14 @@ fn route<F: PreFilter>(
     Route::new("orders", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
+fn stores() -> (MemoryFlagStore, MemoryRecordStore, Effects) {
+    (
+        MemoryFlagStore::new(),
+        MemoryRecordStore::new(),
+        Effects::default(),
+    )
+}
+
 fn key(text: &str) -> BusinessKey {
     BusinessKey::new(text)
 }
@@ -97,11 +105,7 @@ fn the_bitmap_reads_ids_from_the_base_up_and_sends_everything_else_the_full_way(
 
 #[tokio::test]
 async fn a_certainly_new_key_skips_the_flag_claim_and_is_marked_done_after_success() {
-    let (flags, records, effects) = (
-        MemoryFlagStore::new(),
-        MemoryRecordStore::new(),
-        Effects::default(),
-    );
+    let (flags, records, effects) = stores();
     let route = route(
         PreFilterLayer::new(BitmapPreFilter::new(0)),
         &flags,
@@ -137,11 +141,7 @@ async fn a_certainly_new_key_skips_the_flag_claim_and_is_marked_done_after_succe
 
 #[tokio::test]
 async fn a_false_positive_takes_the_full_path_and_is_processed_once() {
-    let (flags, records, effects) = (
-        MemoryFlagStore::new(),
-        MemoryRecordStore::new(),
-        Effects::default(),
-    );
+    let (flags, records, effects) = stores();
     // A filter far beyond its size answers "maybe seen" for keys it never saw.
     let filter = BloomPreFilter::new(1, 0.5).unwrap();
     for n in 0..64 {
@@ -163,11 +163,7 @@ async fn a_false_positive_takes_the_full_path_and_is_processed_once() {
 
 #[tokio::test]
 async fn concurrent_copies_of_a_new_key_both_look_new_and_the_record_tells_them_apart() {
-    let (flags, records, effects) = (
-        MemoryFlagStore::new(),
-        MemoryRecordStore::new(),
-        Effects::default(),
-    );
+    let (flags, records, effects) = stores();
     let route = route(
         PreFilterLayer::new(BitmapPreFilter::new(0)),
         &flags,
@@ -181,11 +177,7 @@ async fn concurrent_copies_of_a_new_key_both_look_new_and_the_record_tells_them_
 
 #[tokio::test]
 async fn a_filter_lost_in_a_restart_still_applies_each_key_once() {
-    let (flags, records, effects) = (
-        MemoryFlagStore::new(),
-        MemoryRecordStore::new(),
-        Effects::default(),
-    );
+    let (flags, records, effects) = stores();
     let before = route(
         PreFilterLayer::new(BloomPreFilter::new(100, 0.01).unwrap()),
         &flags,

@@ -356,7 +356,7 @@ where
 
 async fn bench_amqp(report: &mut Report) {
     use oncely::flag::{FlagLayer, RedisFlagStore};
-    use oncely::record::{PgTransaction, PgTransactionalLayer};
+    use oncely::record::PgTransactionalLayer;
     use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
     use tower::ServiceBuilder;
 
@@ -367,7 +367,7 @@ async fn bench_amqp(report: &mut Report) {
     let schema = ScratchSchema::new(&pool).await;
     let schema_pool = integration_tests::postgres::schema_pool(schema.name(), 16);
     schema
-        .execute("CREATE TABLE moves (order_id TEXT NOT NULL)")
+        .execute("CREATE TABLE stock_moves (order_id TEXT NOT NULL)")
         .await;
     let key = || KeyExtractor::json_pointer("/orderId");
     let counting = |handled: Arc<AtomicU64>| {
@@ -415,17 +415,7 @@ async fn bench_amqp(report: &mut Report) {
                     let handler = handler_fn(move |envelope: Envelope| {
                         let recorded = recorded.clone();
                         async move {
-                            let tx = envelope
-                                .extensions()
-                                .get::<PgTransaction>()
-                                .expect("a transaction")
-                                .clone();
-                            tx.client()
-                                .execute(
-                                    "INSERT INTO moves (order_id) VALUES ($1)",
-                                    &[&envelope.key().as_str()],
-                                )
-                                .await?;
+                            integration_tests::postgres::insert_stock_move(&envelope).await?;
                             recorded.fetch_add(1, Ordering::Relaxed);
                             Ok::<(), HandlerError>(())
                         }
@@ -512,8 +502,8 @@ where
 async fn bench_prefilter(report: &mut Report) {
     use oncely::flag::FlagLayer;
     use oncely::prefilter::{BloomPreFilter, PreFilterLayer};
-    use oncely::record::{PgTransaction, PgTransactionalLayer};
-    use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
+    use oncely::record::PgTransactionalLayer;
+    use oncely::{Envelope, KeyExtractor, Route, handler_fn};
     use tower::ServiceBuilder;
 
     let redis = ScratchRedis::start();
@@ -521,21 +511,10 @@ async fn bench_prefilter(report: &mut Report) {
     let schema = ScratchSchema::new(&pool).await;
     let schema_pool = integration_tests::postgres::schema_pool(schema.name(), 16);
     schema
-        .execute("CREATE TABLE moves (order_id TEXT NOT NULL)")
+        .execute("CREATE TABLE stock_moves (order_id TEXT NOT NULL)")
         .await;
     let handler = handler_fn(|envelope: Envelope| async move {
-        let tx = envelope
-            .extensions()
-            .get::<PgTransaction>()
-            .expect("a transaction")
-            .clone();
-        tx.client()
-            .execute(
-                "INSERT INTO moves (order_id) VALUES ($1)",
-                &[&envelope.key().as_str()],
-            )
-            .await?;
-        Ok::<(), HandlerError>(())
+        integration_tests::postgres::insert_stock_move(&envelope).await
     });
 
     let mut rows = Vec::new();
