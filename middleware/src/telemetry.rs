@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use metrics::Label;
 use tower_service::Service;
 
 use crate::envelope::Envelope;
@@ -42,10 +43,17 @@ fn route_of(envelope: &Envelope) -> Arc<str> {
         .map_or_else(|| Arc::from("unnamed"), |name| name.0.clone())
 }
 
+/// The labels of a tier's metrics; the route's name is shared, not copied, per envelope.
+fn tier_labels(envelope: &Envelope, tier: Tier) -> Vec<Label> {
+    vec![
+        Label::new("route", route_of(envelope)),
+        Label::new("tier", tier.as_str()),
+    ]
+}
+
 /// Counts a store failure of `tier` that the tier passed over (fail open).
 pub(crate) fn count_store_error(envelope: &Envelope, tier: Tier) {
-    metrics::counter!("oncely_tier_errors_total", "route" => route_of(envelope).to_string(), "tier" => tier.as_str())
-        .increment(1);
+    metrics::counter!("oncely_tier_errors_total", tier_labels(envelope, tier)).increment(1);
 }
 
 /// Counts a pre-filter's verdict (`oncely_prefilter_verdicts_total`, labels `route` and
@@ -57,12 +65,12 @@ pub(crate) fn count_prefilter_verdict(envelope: &Envelope, verdict: crate::prefi
         crate::prefilter::Verdict::CertainlyNew => "certainly_new",
         crate::prefilter::Verdict::MaybeSeen => "maybe_seen",
     };
-    metrics::counter!("oncely_prefilter_verdicts_total", "route" => route_of(envelope).to_string(), "verdict" => verdict)
+    metrics::counter!("oncely_prefilter_verdicts_total", "route" => route_of(envelope), "verdict" => verdict)
         .increment(1);
 }
 
 /// Counts one settled delivery of `route`.
-pub(crate) fn count_outcome(route: &str, outcome: &Outcome) {
+pub(crate) fn count_outcome(route: &Arc<str>, outcome: &Outcome) {
     let outcome = match outcome {
         Outcome::Processed => "processed",
         Outcome::Duplicate { .. } => "duplicate",
@@ -70,8 +78,16 @@ pub(crate) fn count_outcome(route: &str, outcome: &Outcome) {
         Outcome::RetryLater(_) => "retry_later",
         Outcome::DeadLetter(_) => "dead_letter",
     };
-    metrics::counter!("oncely_outcomes_total", "route" => route.to_owned(), "outcome" => outcome)
-        .increment(1);
+    metrics::counter!("oncely_outcomes_total", "route" => route.clone(), "outcome" => outcome).increment(1);
+}
+
+/// Builds a tier's service measured: `build` gets `inner` wrapped to count what the tier
+/// passes on, and what it returns is wrapped to count what reaches the tier.
+pub(crate) fn measured<S, T>(tier: Tier, inner: S, build: impl FnOnce(Passed<S>) -> T) -> Measured<T> {
+    Measured {
+        inner: build(Passed { inner, tier }),
+        tier,
+    }
 }
 
 /// Wraps a tier's service: counts the envelopes reaching it, the duplicates it caught, its
@@ -80,12 +96,6 @@ pub(crate) fn count_outcome(route: &str, outcome: &Outcome) {
 pub struct Measured<S> {
     inner: S,
     tier: Tier,
-}
-
-impl<S> Measured<S> {
-    pub(crate) fn new(inner: S, tier: Tier) -> Self {
-        Measured { inner, tier }
-    }
 }
 
 impl<S> Service<Envelope> for Measured<S>
@@ -104,20 +114,20 @@ where
 
     fn call(&mut self, envelope: Envelope) -> Self::Future {
         let tier = self.tier;
-        let route = route_of(&envelope).to_string();
+        let labels = tier_labels(&envelope, tier);
         let answer = take_ready(&mut self.inner).call(envelope);
         Box::pin(async move {
-            let labels = [("route", route), ("tier", tier.as_str().to_owned())];
-            metrics::counter!("oncely_tier_envelopes_total", &labels).increment(1);
+            metrics::counter!("oncely_tier_envelopes_total", labels.clone()).increment(1);
             let started = Instant::now();
             let answer = answer.await;
-            metrics::histogram!("oncely_tier_seconds", &labels).record(started.elapsed().as_secs_f64());
+            metrics::histogram!("oncely_tier_seconds", labels.clone())
+                .record(started.elapsed().as_secs_f64());
             match &answer {
                 Ok(Outcome::Duplicate { tier: caught }) if *caught == tier => {
-                    metrics::counter!("oncely_tier_duplicates_total", &labels).increment(1);
+                    metrics::counter!("oncely_tier_duplicates_total", labels).increment(1);
                 }
                 Ok(outcome) if outcome.retry_reason() == Some(RetryReason::StoreUnavailable(tier)) => {
-                    metrics::counter!("oncely_tier_errors_total", &labels).increment(1);
+                    metrics::counter!("oncely_tier_errors_total", labels).increment(1);
                 }
                 _ => {}
             }
@@ -133,12 +143,6 @@ pub struct Passed<S> {
     tier: Tier,
 }
 
-impl<S> Passed<S> {
-    pub(crate) fn new(inner: S, tier: Tier) -> Self {
-        Passed { inner, tier }
-    }
-}
-
 impl<S> Service<Envelope> for Passed<S>
 where
     S: Service<Envelope, Response = Outcome>,
@@ -152,12 +156,7 @@ where
     }
 
     fn call(&mut self, envelope: Envelope) -> Self::Future {
-        metrics::counter!(
-            "oncely_tier_passed_total",
-            "route" => route_of(&envelope).to_string(),
-            "tier" => self.tier.as_str()
-        )
-        .increment(1);
+        metrics::counter!("oncely_tier_passed_total", tier_labels(&envelope, self.tier)).increment(1);
         self.inner.call(envelope)
     }
 }

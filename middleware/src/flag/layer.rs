@@ -92,13 +92,10 @@ impl<S, St: Clone> Layer<S> for FlagLayer<St> {
     type Service = crate::telemetry::Measured<FlagService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::Measured::new(
-            FlagService {
-                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Flag),
-                config: self.clone(),
-            },
-            crate::outcome::Tier::Flag,
-        )
+        crate::telemetry::measured(crate::outcome::Tier::Flag, inner, |inner| FlagService {
+            inner,
+            config: self.clone(),
+        })
     }
 }
 

@@ -67,12 +67,9 @@ impl<S, St: Clone> Layer<S> for LockLayer<St> {
     type Service = crate::telemetry::Measured<LockService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::Measured::new(
-            LockService {
-                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Lock),
-                config: self.clone(),
-            },
-            crate::outcome::Tier::Lock,
-        )
+        crate::telemetry::measured(crate::outcome::Tier::Lock, inner, |inner| LockService {
+            inner,
+            config: self.clone(),
+        })
     }
 }

@@ -40,12 +40,9 @@ impl<S, St: Clone> Layer<S> for RecordLayer<St> {
     type Service = crate::telemetry::Measured<RecordService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::Measured::new(
-            RecordService {
-                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Record),
-                config: self.clone(),
-            },
-            crate::outcome::Tier::Record,
-        )
+        crate::telemetry::measured(crate::outcome::Tier::Record, inner, |inner| RecordService {
+            inner,
+            config: self.clone(),
+        })
     }
 }

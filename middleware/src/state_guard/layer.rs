@@ -30,12 +30,11 @@ impl<S, St: Clone> Layer<S> for StateGuardLayer<St> {
     type Service = crate::telemetry::Measured<StateGuardService<crate::telemetry::Passed<S>, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::Measured::new(
+        crate::telemetry::measured(crate::outcome::Tier::StateGuard, inner, |inner| {
             StateGuardService {
-                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::StateGuard),
+                inner,
                 config: self.clone(),
-            },
-            crate::outcome::Tier::StateGuard,
-        )
+            }
+        })
     }
 }

@@ -101,13 +101,12 @@ impl<S> Layer<S> for PgTransactionalLayer {
     type Service = crate::telemetry::Measured<PgTransactionalService<crate::telemetry::Passed<S>>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::Measured::new(
+        crate::telemetry::measured(crate::outcome::Tier::Record, inner, |inner| {
             PgTransactionalService {
-                inner: crate::telemetry::Passed::new(inner, crate::outcome::Tier::Record),
+                inner,
                 config: self.clone(),
-            },
-            crate::outcome::Tier::Record,
-        )
+            }
+        })
     }
 }
 
