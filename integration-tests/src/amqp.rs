@@ -2,6 +2,7 @@
 //! stock-deduction route the tests and the consumer process share.
 
 use std::convert::Infallible;
+use std::process::{Command, Stdio};
 
 use deadpool_postgres::Pool;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -60,6 +61,35 @@ pub async fn drain(channel: &Channel, queue: &str) -> Vec<lapin::message::BasicG
         messages.push(message);
     }
     messages
+}
+
+/// Closes, on the broker's side, every connection whose client properties carry `name`,
+/// as a network failure or a broker operator would, and returns how many it closed.
+pub fn close_connections_named(name: &str) -> usize {
+    let Ok(listed) = Command::new("rabbitmqctl")
+        .args(["list_connections", "-q", "pid", "client_properties"])
+        .output()
+    else {
+        return 0;
+    };
+    let pids: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter(|line| line.contains(name))
+        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
+        .collect();
+    pids.iter()
+        .filter(|pid| {
+            Command::new("rabbitmqctl")
+                .args([
+                    "close_connection",
+                    pid.as_str(),
+                    "oncely test: connection dropped",
+                ])
+                .stdout(Stdio::null())
+                .status()
+                .is_ok_and(|status| status.success())
+        })
+        .count()
 }
 
 /// The stock-deduction route: keyed by the body's `/orderId`, through the Redis flag, the

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use integration_tests::amqp::{connect, drain, orders_route, ready_messages, scratch_topology};
+use integration_tests::amqp::{
+    close_connections_named, connect, drain, orders_route, ready_messages, scratch_topology,
+};
 use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
@@ -334,27 +336,6 @@ async fn the_producer_refuses_to_drop_an_unroutable_message() {
     );
 }
 
-/// Closes the broker side of the connection named `name`, as a network failure or a broker
-/// operator would.
-fn close_connection_named(name: &str) -> bool {
-    let listed = std::process::Command::new("rabbitmqctl")
-        .args(["list_connections", "-q", "pid", "client_properties"])
-        .output()
-        .expect("rabbitmqctl on PATH");
-    let listing = String::from_utf8_lossy(&listed.stdout);
-    let Some(pid) = listing
-        .lines()
-        .find(|line| line.contains(name))
-        .and_then(|line| line.split_whitespace().next())
-    else {
-        return false;
-    };
-    std::process::Command::new("rabbitmqctl")
-        .args(["close_connection", pid, "oncely test: connection dropped"])
-        .status()
-        .is_ok_and(|status| status.success())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dropped_connection_is_reconnected_and_consumption_resumes() {
     const ORDERS: usize = 600;
@@ -389,7 +370,7 @@ async fn a_dropped_connection_is_reconnected_and_consumption_resumes() {
     };
     wait_until(Duration::from_secs(60), || async { fixture.moves().await >= 100 }).await;
     assert!(
-        close_connection_named(&name),
+        close_connections_named(&name) > 0,
         "the runner's connection was listed and closed"
     );
     let watch = connect().await.unwrap().create_channel().await.unwrap();
@@ -495,7 +476,7 @@ async fn the_producer_resends_under_the_same_id_after_losing_its_connection() {
         .unwrap();
 
     assert!(
-        close_connection_named(&name),
+        close_connections_named(&name) > 0,
         "the producer's connection was closed by the broker"
     );
     let id = producer

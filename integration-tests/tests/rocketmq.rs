@@ -88,10 +88,6 @@ async fn points_route(
     Route::new("credit_points", KeyExtractor::broker_key(), stack)
 }
 
-async fn count(schema: &ScratchSchema, sql: &str) -> i64 {
-    schema.count(sql).await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_by_keys_and_producer_resends_credit_each_order_once() {
     const ORDERS: usize = 30;
@@ -136,17 +132,15 @@ async fn duplicates_by_keys_and_producer_resends_credit_each_order_once() {
         "every copy answered as a duplicate and acknowledged: {:?}",
         log.entries()
     );
-    assert_eq!(count(&schema, "SELECT count(*) FROM points").await, ORDERS as i64);
+    assert_eq!(schema.count("SELECT count(*) FROM points").await, ORDERS as i64);
     assert_eq!(
-        count(&schema, "SELECT count(DISTINCT order_id) FROM points").await,
+        schema.count("SELECT count(DISTINCT order_id) FROM points").await,
         ORDERS as i64
     );
     assert_eq!(
-        count(
-            &schema,
-            "SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'"
-        )
-        .await,
+        schema
+            .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
+            .await,
         ORDERS as i64
     );
     rocketmq.shutdown().await;
@@ -179,10 +173,12 @@ async fn a_reconsume_later_comes_back_with_reconsume_times_plus_one_and_credits_
     assert_eq!(outcomes.len(), 2, "{outcomes:?}");
     // The handler credits with the attempt it saw: the redelivery's reconsume times + 1.
     assert_eq!(
-        count(&schema, "SELECT count(*) FROM points WHERE attempt = 2").await,
+        schema
+            .count("SELECT count(*) FROM points WHERE attempt = 2")
+            .await,
         1
     );
-    assert_eq!(count(&schema, "SELECT count(*) FROM points").await, 1);
+    assert_eq!(schema.count("SELECT count(*) FROM points").await, 1);
     rocketmq.shutdown().await;
 }
 
@@ -349,7 +345,7 @@ async fn poison_goes_to_the_dead_letter_topic_with_the_reason() {
     assert_eq!(property(mismatch, "KEYS").as_deref(), Some("order_1"));
     assert_eq!(property(mismatch, ORIGINAL_MESSAGE_ID_PROPERTY), Some(reused_id));
     assert_eq!(
-        count(&schema, "SELECT count(*) FROM points").await,
+        schema.count("SELECT count(*) FROM points").await,
         1,
         "poison credited nothing"
     );

@@ -23,10 +23,12 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use integration_tests::amqp::{connect, drain, scratch_topology};
+use deadpool_postgres::Pool;
+use integration_tests::amqp::{close_connections_named, connect, drain, scratch_topology};
 use integration_tests::postgres::{ScratchSchema, database_url, pool};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::thousands;
+use lapin::Channel;
 use lapin::types::AMQPValue;
 use oncely_amqp::{Producer, REASON_HEADER, Topology};
 
@@ -174,34 +176,6 @@ impl Fault {
     }
 }
 
-/// Closes the broker-side connections whose client properties carry `name`.
-fn close_amqp_connections(name: &str) -> usize {
-    let Ok(listed) = Command::new("rabbitmqctl")
-        .args(["list_connections", "-q", "pid", "client_properties"])
-        .output()
-    else {
-        return 0;
-    };
-    let pids: Vec<String> = String::from_utf8_lossy(&listed.stdout)
-        .lines()
-        .filter(|line| line.contains(name))
-        .filter_map(|line| line.split_whitespace().next().map(str::to_owned))
-        .collect();
-    pids.iter()
-        .filter(|pid| {
-            Command::new("rabbitmqctl")
-                .args([
-                    "close_connection",
-                    pid.as_str(),
-                    "oncely chaos: connection dropped",
-                ])
-                .stdout(Stdio::null())
-                .status()
-                .is_ok_and(|status| status.success())
-        })
-        .count()
-}
-
 /// Messages (ready and unacknowledged) in the run's work and retry queues.
 fn messages_in_queues(topology: &Topology) -> Option<u64> {
     let listed = Command::new("rabbitmqctl")
@@ -228,15 +202,20 @@ struct Run {
     redis: ScratchRedis,
     schema: ScratchSchema,
     topology: Topology,
-    application_name: String,
-    connection_name: String,
+    /// The run's own PostgreSQL pool, not terminated by the faults.
+    pool: Pool,
+    channel: Channel,
+    /// Names the consumers' PostgreSQL (`application_name`) and AMQP connections, so the
+    /// faults hit only them.
+    name: String,
     faults: BTreeMap<Fault, u32>,
 }
 
 impl Run {
     async fn start(options: &Options) -> Run {
         let id = oncely::Token::random();
-        let schema = ScratchSchema::new(&pool(2)).await;
+        let pool = pool(2);
+        let schema = ScratchSchema::new(&pool).await;
         schema
             .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)")
             .await;
@@ -249,8 +228,7 @@ impl Run {
             .expect("a channel");
         topology.declare(&channel).await.expect("declare the queues");
         let redis = ScratchRedis::start();
-        let application_name = format!("oncely-chaos-{id}");
-        let connection_name = format!("oncely-chaos-{id}");
+        let name = format!("oncely-chaos-{id}");
         let url = database_url();
         let separator = if url.contains('?') { '&' } else { '?' };
         let mut consumers = Consumers {
@@ -260,10 +238,10 @@ impl Run {
                 schema.name().to_owned(),
                 format!("chaos-{id}"),
                 options.stack.clone(),
-                connection_name.clone(),
+                name.clone(),
             ],
             redis_url: redis.url(),
-            database_url: format!("{url}{separator}application_name={application_name}"),
+            database_url: format!("{url}{separator}application_name={name}"),
         };
         consumers.processes = (0..PROCESSES).map(|_| consumers.spawn()).collect();
         Run {
@@ -271,8 +249,9 @@ impl Run {
             redis,
             schema,
             topology,
-            application_name,
-            connection_name,
+            pool,
+            channel,
+            name,
             faults: BTreeMap::new(),
         }
     }
@@ -296,25 +275,25 @@ impl Run {
                 }
             }
             Fault::TerminatePostgres => {
-                if let Ok(client) = pool(1).get().await {
+                if let Ok(client) = self.pool.get().await {
                     let _ = client
                         .execute(
                             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-                            &[&self.application_name],
+                            &[&self.name],
                         )
                         .await;
                 }
             }
             Fault::DropAmqp => {
-                let name = self.connection_name.clone();
-                let _ = tokio::task::spawn_blocking(move || close_amqp_connections(&name)).await;
+                let name = self.name.clone();
+                let _ = tokio::task::spawn_blocking(move || close_connections_named(&name)).await;
             }
         }
         *self.faults.entry(fault).or_default() += 1;
     }
 
     async fn applied(&self) -> (i64, i64, i64) {
-        let client = pool(1).get().await.expect("PostgreSQL");
+        let client = self.pool.get().await.expect("PostgreSQL");
         let row = client
             .query_one(
                 &format!(
@@ -404,14 +383,8 @@ async fn main() -> ExitCode {
     let timed_out = Instant::now() >= deadline;
     let (effects, distinct, doubled) = run.applied().await;
 
-    let channel = connect()
-        .await
-        .expect("RabbitMQ")
-        .create_channel()
-        .await
-        .expect("a channel");
     let mut dead: BTreeMap<String, u64> = BTreeMap::new();
-    for message in drain(&channel, &run.topology.dead_letter_queue()).await {
+    for message in drain(&run.channel, &run.topology.dead_letter_queue()).await {
         let reason = message
             .delivery
             .properties
@@ -427,7 +400,10 @@ async fn main() -> ExitCode {
         let code = reason.split(':').next().unwrap_or_default().to_owned();
         *dead.entry(code).or_default() += 1;
     }
-    run.topology.delete(&channel).await.expect("delete the queues");
+    run.topology
+        .delete(&run.channel)
+        .await
+        .expect("delete the queues");
 
     let missing = options.keys as i64 - distinct;
     let duplicates = options.messages - options.keys;
