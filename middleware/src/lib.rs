@@ -28,6 +28,11 @@
 //! - [`flag`]: a fast expiring "in flight / done" marker per key.
 //! - [`lock`]: mutual exclusion per entity, with a watchdog and a fencing token.
 //! - [`record`]: the durable consumption record, the final word on "was this processed".
+//! - `prefilter` (feature `prefilter`): a local Bloom filter or bitmap of settled keys that
+//!   lets a certainly new key skip the flag's claim.
+//!
+//! Every tier counts, per route, what reached it, what it caught and what it passed on
+//! ([`telemetry`]).
 //!
 //! Each tier's docs say what it guarantees alone and what it relies on from the tiers
 //! behind it. Backends, each behind a cargo feature (`full` turns all on):
@@ -37,6 +42,7 @@
 //!   ([`record::PgTransactionalLayer`]) or three-step mode ([`record::PgRecordStore`], with
 //!   claim coalescing and a [`record::Reconciler`]), the state guard's
 //!   [`state_guard::PgStateStore`], and [`postgres`] helpers for idempotent state changes.
+//! - `prefilter`: the pre-filter tier's Bloom filter (`fastbloom`) and roaring bitmap.
 //!
 //! ```
 //! use std::time::Duration;
