@@ -168,8 +168,8 @@ where
         let topic = delivery.source().name.clone();
         let attempt = delivery.attempt();
         let outcome = self.route.handle(delivery).await;
+        // The route's own span already logs the outcome.
         let route = self.route.name();
-        tracing::debug!(route, topic, %outcome, "settled");
         if let Outcome::DeadLetter(reason) = &outcome {
             return match self
                 .dead_letters
