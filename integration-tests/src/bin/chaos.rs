@@ -256,40 +256,58 @@ impl Run {
         }
     }
 
+    /// Injects `fault` and counts it if it took effect: a flush, a termination or a close
+    /// that found nothing to act on (Redis down, no connection open at that moment) is not
+    /// reported as a fault.
     async fn inject(&mut self, fault: Fault) {
-        match fault {
+        let took_effect = match fault {
             Fault::KillConsumer => {
                 let victim = self.faults.get(&fault).copied().unwrap_or(0) as usize % PROCESSES;
                 self.consumers.kill_and_restart(victim);
+                true
             }
             Fault::RestartRedis => {
                 self.redis.kill();
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 self.redis.restart();
+                true
             }
             Fault::FlushRedis => {
-                if let Ok(client) = redis::Client::open(self.redis.url())
-                    && let Ok(mut connection) = client.get_multiplexed_async_connection().await
-                {
-                    let _: Result<(), _> = redis::cmd("FLUSHALL").query_async(&mut connection).await;
-                }
+                let flushed = async {
+                    let client = redis::Client::open(self.redis.url()).ok()?;
+                    let mut connection = client.get_multiplexed_async_connection().await.ok()?;
+                    redis::cmd("FLUSHALL")
+                        .query_async::<()>(&mut connection)
+                        .await
+                        .ok()
+                };
+                flushed.await.is_some()
             }
             Fault::TerminatePostgres => {
-                if let Ok(client) = self.pool.get().await {
-                    let _ = client
-                        .execute(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                let terminated = async {
+                    let client = self.pool.get().await.ok()?;
+                    let row = client
+                        .query_one(
+                            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
                             &[&self.name],
                         )
-                        .await;
-                }
+                        .await
+                        .ok()?;
+                    Some(row.get::<_, i64>(0))
+                };
+                terminated.await.unwrap_or(0) > 0
             }
             Fault::DropAmqp => {
                 let name = self.name.clone();
-                let _ = tokio::task::spawn_blocking(move || close_connections_named(&name)).await;
+                tokio::task::spawn_blocking(move || close_connections_named(&name))
+                    .await
+                    .unwrap_or(0)
+                    > 0
             }
+        };
+        if took_effect {
+            *self.faults.entry(fault).or_default() += 1;
         }
-        *self.faults.entry(fault).or_default() += 1;
     }
 
     async fn applied(&self) -> (i64, i64, i64) {
