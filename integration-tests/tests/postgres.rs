@@ -53,8 +53,10 @@ fn order(id: &str) -> Delivery {
 /// then fails with a transient error on the calls `fail` says.
 fn deduct_stock(
     fail: impl Fn(usize) -> bool + Clone + Send + Sync + 'static,
-) -> impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send> + Clone + Send
-{
+) -> impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
++ Clone
++ Send
++ oncely::record::TransactionSafe {
     let calls = Arc::new(AtomicUsize::new(0));
     handler_fn(move |envelope: Envelope| {
         let (fail, call) = (fail.clone(), calls.fetch_add(1, Ordering::SeqCst));

@@ -60,6 +60,35 @@ pub enum Error {
         /// What was found instead: `an object`, `an array` or `a boolean`.
         found: &'static str,
     },
+    /// The field holds a control character (NUL, newline, escape, …). Such keys cannot be
+    /// stored (PostgreSQL rejects NUL in text) or logged faithfully, so they are refused
+    /// before any store sees them.
+    #[error("business key has a control character: {field} holds {character:?}")]
+    KeyControlCharacter {
+        /// Which field was read.
+        field: String,
+        /// The first control character found.
+        character: char,
+    },
+    /// The value at the JSON pointer is a number that is not an integer within 64 bits
+    /// (e.g. `12345678901234567890123` or `1.5e3`): JSON parsers read such numbers as
+    /// floating point, and two different ids could then make one key. Send such ids as
+    /// strings.
+    #[error("JSON pointer {pointer:?} holds {number}, not an integer within 64 bits; send it as a string")]
+    KeyNumberInexact {
+        /// The pointer, e.g. `/orderId`.
+        pointer: String,
+        /// The number as parsed.
+        number: String,
+    },
+    /// The body is larger than the route's maximum; it is refused before any parsing.
+    #[error("body is {len} bytes, over the {max}-byte maximum")]
+    BodyTooLarge {
+        /// The body's length in bytes.
+        len: usize,
+        /// The route's maximum.
+        max: usize,
+    },
     /// The composed key is longer than the configured maximum (256 bytes unless configured).
     #[error("business key is {len} bytes, over the {max}-byte maximum")]
     KeyTooLong {
@@ -125,33 +154,51 @@ impl Error {
 
     /// True when the same delivery may succeed if tried again later (a store failure).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Store { .. })
+        self.class() == Class::Store
     }
 
     /// True when the delivery itself is unusable and must be dead-lettered: retrying it can
     /// never succeed.
     pub fn is_poison(&self) -> bool {
-        matches!(
-            self,
-            Error::KeyMissing { .. }
-                | Error::KeyEmpty { .. }
-                | Error::KeyNotUtf8 { .. }
-                | Error::BodyNotJson { .. }
-                | Error::PointerNotFound { .. }
-                | Error::KeyNotScalar { .. }
-                | Error::KeyTooLong { .. }
-                | Error::UnknownState { .. }
-        )
+        self.class() == Class::Poison
     }
 
     /// True when the error is in the route's configuration, not in a delivery.
     pub fn is_config(&self) -> bool {
-        matches!(
-            self,
-            Error::InvalidTemplate { .. }
-                | Error::InvalidStateMachine { .. }
-                | Error::InvalidIdentifier { .. }
-                | Error::InvalidPreFilter { .. }
-        )
+        self.class() == Class::Config
     }
+
+    /// Who must act on the error. An exhaustive match, so a new variant cannot be left
+    /// without a class.
+    fn class(&self) -> Class {
+        match self {
+            Error::KeyMissing { .. }
+            | Error::KeyEmpty { .. }
+            | Error::KeyNotUtf8 { .. }
+            | Error::BodyNotJson { .. }
+            | Error::PointerNotFound { .. }
+            | Error::KeyNotScalar { .. }
+            | Error::KeyControlCharacter { .. }
+            | Error::KeyNumberInexact { .. }
+            | Error::BodyTooLarge { .. }
+            | Error::KeyTooLong { .. }
+            | Error::UnknownState { .. } => Class::Poison,
+            Error::InvalidTemplate { .. }
+            | Error::InvalidStateMachine { .. }
+            | Error::InvalidIdentifier { .. }
+            | Error::InvalidPreFilter { .. } => Class::Config,
+            Error::Store { .. } => Class::Store,
+        }
+    }
+}
+
+/// The three classes of [`Error`], by who must act.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    /// The delivery's sender: it is dead-lettered.
+    Poison,
+    /// Whoever configured the route.
+    Config,
+    /// The store's operator; the delivery is retried.
+    Store,
 }

@@ -23,7 +23,8 @@ pub enum KeyField {
     /// A named header (AMQP) or user property (RocketMQ).
     Header(String),
     /// A value in a JSON body, by JSON pointer (RFC 6901), e.g. `/orderId`. Strings are taken
-    /// as they are, numbers in their JSON spelling.
+    /// as they are, integers within 64 bits in their decimal spelling; other numbers are
+    /// refused ([`Error::KeyNumberInexact`]).
     JsonPointer(String),
 }
 
@@ -48,7 +49,9 @@ enum Part {
 /// text, e.g. `{/orderId}:deduct_stock` → `order_123:deduct_stock`.
 ///
 /// Every failure is a typed [`Error`] that makes the delivery a dead letter: a key is never
-/// replaced by a random id, because a random id would make every redelivery look new.
+/// replaced by a random id, because a random id would make every redelivery look new. A
+/// field holding a control character (NUL, newline, …) is refused
+/// ([`Error::KeyControlCharacter`]) before any store sees it.
 ///
 /// Template syntax: `{message_id}`, `{broker_key}`, `{header:NAME}`, `{/json/pointer}`;
 /// `{{` and `}}` stand for literal braces. A template needs at least one field: a key made
@@ -144,6 +147,12 @@ impl KeyExtractor {
                             field: field.to_string(),
                         });
                     }
+                    if let Some(character) = value.chars().find(|c| c.is_control()) {
+                        return Err(Error::KeyControlCharacter {
+                            field: field.to_string(),
+                            character,
+                        });
+                    }
                     key.push_str(&value);
                 }
             }
@@ -197,7 +206,13 @@ fn read_pointer(pointer: &str, delivery: &Delivery, json: &mut Option<Value>) ->
             pointer: pointer.to_owned(),
         }),
         Some(Value::String(text)) => Ok(text.clone()),
-        Some(Value::Number(number)) => Ok(number.to_string()),
+        // Without serde_json's arbitrary precision, integers beyond 64 bits and every
+        // fraction arrive as f64: distinct ids could round to one key.
+        Some(Value::Number(number)) if number.is_i64() || number.is_u64() => Ok(number.to_string()),
+        Some(Value::Number(number)) => Err(Error::KeyNumberInexact {
+            pointer: pointer.to_owned(),
+            number: number.to_string(),
+        }),
         Some(Value::Bool(_)) => Err(not_scalar("a boolean")),
         Some(Value::Array(_)) => Err(not_scalar("an array")),
         Some(Value::Object(_)) => Err(not_scalar("an object")),
@@ -332,6 +347,27 @@ mod tests {
                 .extract(&long)
                 .is_ok()
         );
+        for id in ["a\0b", "a\nb", "\u{1b}[0m"] {
+            assert!(matches!(
+                KeyExtractor::message_id().extract(&plain.clone().with_message_id(id)),
+                Err(Error::KeyControlCharacter { .. })
+            ));
+        }
+        let numbers = delivery(br#"{"big":12345678901234567890123,"max":18446744073709551615,"neg":-9223372036854775808,"frac":1.5}"#);
+        for pointer in ["/big", "/frac"] {
+            assert!(matches!(
+                KeyExtractor::json_pointer(pointer).extract(&numbers),
+                Err(Error::KeyNumberInexact { .. })
+            ));
+        }
+        let exact = |pointer| {
+            KeyExtractor::json_pointer(pointer)
+                .extract(&numbers)
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(exact("/max"), "18446744073709551615");
+        assert_eq!(exact("/neg"), "-9223372036854775808");
         for error in [
             KeyExtractor::message_id().extract(&plain).unwrap_err(),
             KeyExtractor::json_pointer("/id").extract(&plain).unwrap_err(),

@@ -23,7 +23,10 @@
 //! | [`Outcome::RetryLater`] | retry later, never ack |
 //! | [`Outcome::DeadLetter`] | dead-letter with the reason |
 //!
-//! The tiers, composable in any subset and order per route:
+//! The tiers, composable in any subset per route, in the order of the picture above (the
+//! README explains why); behind the transactional record only services that write nothing
+//! outside its transaction may stand ([`record::TransactionSafe`]), so a flag or state
+//! guard there does not compile:
 //! - [`state_guard`]: applies an entity's events only along declared transitions.
 //! - [`flag`]: a fast expiring "in flight / done" marker per key.
 //! - [`lock`]: mutual exclusion per entity, with a watchdog and a fencing token.
@@ -100,6 +103,6 @@ pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLate
 pub use policy::FailurePolicy;
 #[cfg(feature = "redis")]
 pub use redis_backend::{DEFAULT_REDIS_PREFIX, RedisConnection};
-pub use route::{DEFAULT_MAX_ATTEMPTS, Route};
+pub use route::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_LEN, Route};
 pub use service::BoxFuture;
 pub use token::Token;

@@ -164,6 +164,10 @@ pub enum RetryReason {
     StoreUnavailable(Tier),
     /// The handler (or a service in the stack) returned a transient error.
     HandlerFailed,
+    /// The handler (or a service in the stack) panicked. Its open transaction was rolled
+    /// back with its connection; the delivery is retried and, at the route's maximum
+    /// attempts, dead-lettered as `attempts_exhausted` with the panic's message.
+    HandlerPanicked,
 }
 
 impl RetryReason {
@@ -176,6 +180,21 @@ impl RetryReason {
             RetryReason::Conflict(_) => "conflict",
             RetryReason::StoreUnavailable(_) => "store_unavailable",
             RetryReason::HandlerFailed => "handler_failed",
+            RetryReason::HandlerPanicked => "handler_panicked",
+        }
+    }
+
+    /// True when the retry waits for another delivery of the same key or entity (in flight
+    /// elsewhere, lock busy) rather than recovering from a failure. Waits never use up a
+    /// delivery's attempts: the other holder's lease bounds them.
+    pub fn is_wait(self) -> bool {
+        match self {
+            RetryReason::InFlight(_) | RetryReason::LockBusy => true,
+            RetryReason::LeaseLost
+            | RetryReason::Conflict(_)
+            | RetryReason::StoreUnavailable(_)
+            | RetryReason::HandlerFailed
+            | RetryReason::HandlerPanicked => false,
         }
     }
 }
@@ -204,6 +223,14 @@ pub enum DeadLetterReason {
     AttemptsExhausted,
     /// The handler rejected the delivery as permanently unprocessable.
     Rejected,
+    /// The body is larger than the route's maximum
+    /// ([`Route::with_max_body_len`](crate::Route::with_max_body_len)); it was not parsed.
+    Oversize,
+    /// The broker delivered the message the adapter's maximum number of times without it
+    /// ever being settled: each time, the consumer died or lost its channel while holding it
+    /// (a message that crashes its process, say). Counted by the broker, so a crash counts
+    /// too.
+    DeliveryLimit,
 }
 
 impl DeadLetterReason {
@@ -215,6 +242,8 @@ impl DeadLetterReason {
             DeadLetterReason::PayloadMismatch => "payload_mismatch",
             DeadLetterReason::AttemptsExhausted => "attempts_exhausted",
             DeadLetterReason::Rejected => "rejected",
+            DeadLetterReason::Oversize => "oversize",
+            DeadLetterReason::DeliveryLimit => "delivery_limit",
         }
     }
 }

@@ -6,10 +6,11 @@
 //! before they are put into SQL.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use deadpool_postgres;
 use deadpool_postgres::tokio_postgres::types::ToSql;
-use deadpool_postgres::{GenericClient, Pool};
+use deadpool_postgres::{GenericClient, Object, Pool};
 
 use crate::error::Error;
 use crate::outcome::Tier;
@@ -202,6 +203,65 @@ async fn changed_one(
         .await
         .map_err(|error| Error::store(Tier::Handler, error))?;
     Ok(changed == 1)
+}
+
+/// A pooled connection that goes back to the pool only once its user has said the session
+/// is clean: no transaction open, no statement still running.
+///
+/// Dropped without [`mark_clean`](Checkout::mark_clean) — a future dropped by a timeout or
+/// a shutdown, a panic, an error that left the transaction's state unknown — the connection
+/// is taken out of the pool and closed, which makes the server roll back whatever it had
+/// open. deadpool's default recycling only checks that a connection is not closed, so
+/// returning such a connection would let the next user's `BEGIN` run inside the abandoned
+/// transaction and its `COMMIT` commit the abandoned writes.
+pub(crate) struct Checkout {
+    object: Option<Object>,
+    clean: AtomicBool,
+}
+
+impl Checkout {
+    /// Takes a connection from `pool`, reporting a failure as `tier`'s store error.
+    pub(crate) async fn get(pool: &Pool, tier: Tier) -> Result<Self, Error> {
+        let object = pool.get().await.map_err(store_error(tier))?;
+        Ok(Checkout {
+            object: Some(object),
+            clean: AtomicBool::new(false),
+        })
+    }
+
+    /// The connection.
+    pub(crate) fn client(&self) -> &deadpool_postgres::Client {
+        self.object.as_ref().expect("taken only on drop")
+    }
+
+    /// Says the session is clean: on drop the connection goes back to the pool.
+    pub(crate) fn mark_clean(&self) {
+        self.clean.store(true, Ordering::Release);
+    }
+
+    /// Runs `run` on the connection and marks it clean once `run` finished, whatever it
+    /// answered: for statements outside a transaction, whose failure leaves nothing open.
+    pub(crate) async fn run<T>(
+        pool: &Pool,
+        tier: Tier,
+        run: impl AsyncFnOnce(&deadpool_postgres::Client) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let checkout = Checkout::get(pool, tier).await?;
+        let answer = run(checkout.client()).await;
+        checkout.mark_clean();
+        answer
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(object) = self.object.take()
+            && !self.clean.load(Ordering::Acquire)
+        {
+            // Detached from the pool, the client is dropped here and its connection closed.
+            drop(Object::take(object));
+        }
+    }
 }
 
 pub(crate) fn store_error<E: std::error::Error + Send + Sync + 'static>(tier: Tier) -> impl Fn(E) -> Error {

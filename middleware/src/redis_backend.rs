@@ -23,8 +23,19 @@ pub const DEFAULT_REDIS_PREFIX: &str = "oncely";
 
 /// `prefix:kind:{id}`. The braces make `id` the key's Redis Cluster hash tag, so every key
 /// one script touches for an id lands in the same slot (the lock and its fencing counter).
+///
+/// Redis takes the text between the first `{` and the first `}` after it as the tag. An id
+/// holding `}` would cut the tag short, and one starting with `}` would leave it empty, so
+/// the whole key would be hashed and a lock and its counter could land in different slots
+/// (`CROSSSLOT`). Such an id gets a tag of its hash instead, with the id itself after it so
+/// the key stays unique: `prefix:kind:{#hash}id`. A prefix must hold no braces.
 pub(crate) fn tagged_key(prefix: &str, kind: &str, id: &str) -> String {
-    format!("{prefix}:{kind}:{{{id}}}")
+    if id.contains('}') {
+        let hash = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
+        format!("{prefix}:{kind}:{{#{hash:016x}}}{id}")
+    } else {
+        format!("{prefix}:{kind}:{{{id}}}")
+    }
 }
 
 /// A duration in whole milliseconds for `PX`/`PEXPIRE`, at least 1: Redis rejects 0.
@@ -48,3 +59,27 @@ pub(crate) static COMPARE_AND_DELETE: LazyLock<Script> = LazyLock::new(|| {
         ",
     )
 });
+
+#[cfg(test)]
+mod tests {
+    use super::tagged_key;
+
+    /// The hash tag as Redis Cluster reads it: `None` when the whole key is hashed.
+    fn hash_tag(key: &str) -> Option<&str> {
+        let open = key.find('{')?;
+        let close = key[open + 1..].find('}')? + open + 1;
+        (close > open + 1).then(|| &key[open + 1..close])
+    }
+
+    #[test]
+    fn every_id_gets_one_nonempty_tag_for_all_its_keys() {
+        for id in ["order_1", "}x", "a}b", "{x}", "}", "{", "a{b"] {
+            let lock = tagged_key("oncely", "lock", id);
+            let fence = tagged_key("oncely", "fence", id);
+            assert!(hash_tag(&lock).is_some(), "{id:?}: {lock}");
+            assert_eq!(hash_tag(&lock), hash_tag(&fence), "{id:?}");
+        }
+        assert_eq!(tagged_key("p", "lock", "order_1"), "p:lock:{order_1}");
+        assert_ne!(tagged_key("p", "lock", "a}b"), tagged_key("p", "lock", "a}c"));
+    }
+}

@@ -1,20 +1,27 @@
 //! A route: one kind of message, its key and its stack.
 
+use std::any::Any;
 use std::fmt;
 use std::future::poll_fn;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
+use futures_util::FutureExt;
 use tower_service::Service;
 use tracing::Instrument;
 
 use crate::envelope::{Delivery, Envelope};
-use crate::error::BoxError;
+use crate::error::{BoxError, Error};
 use crate::key::KeyExtractor;
 use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
 
 /// How many attempts a route allows unless configured otherwise; RocketMQ's default
 /// `maxReconsumeTimes` is 16 as well.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 16;
+
+/// The largest body a route accepts unless configured otherwise: 4 MiB, RocketMQ's own
+/// default maximum message size.
+pub const DEFAULT_MAX_BODY_LEN: usize = 4 * 1024 * 1024;
 
 /// One kind of message (e.g. "deduct stock"), the extractor of its business key and the
 /// stack of tiers that handles it. Adapters call [`Route::handle`] per delivery and map the
@@ -26,6 +33,7 @@ pub struct Route<S> {
     name: Arc<str>,
     key: KeyExtractor,
     max_attempts: u32,
+    max_body_len: usize,
     stack: S,
 }
 
@@ -35,6 +43,7 @@ impl<S: Clone> Clone for Route<S> {
             name: self.name.clone(),
             key: self.key.clone(),
             max_attempts: self.max_attempts,
+            max_body_len: self.max_body_len,
             stack: self.stack.clone(),
         }
     }
@@ -46,6 +55,7 @@ impl<S> fmt::Debug for Route<S> {
             .field("name", &self.name)
             .field("key", &self.key)
             .field("max_attempts", &self.max_attempts)
+            .field("max_body_len", &self.max_body_len)
             .finish_non_exhaustive()
     }
 }
@@ -63,8 +73,17 @@ where
             name: name.into(),
             key,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_body_len: DEFAULT_MAX_BODY_LEN,
             stack,
         }
+    }
+
+    /// Sets the largest body, in bytes, the route accepts (default
+    /// [`DEFAULT_MAX_BODY_LEN`]). A larger one is dead-lettered as
+    /// [`DeadLetterReason::Oversize`] before its key is read or its body parsed.
+    pub fn with_max_body_len(mut self, max_body_len: usize) -> Self {
+        self.max_body_len = max_body_len;
+        self
     }
 
     /// Sets how many attempts a delivery gets (default [`DEFAULT_MAX_ATTEMPTS`]). A delivery
@@ -86,9 +105,14 @@ where
 
     /// Runs one delivery through the stack and answers with its outcome.
     ///
-    /// Never fails: a bad key is a [`DeadLetter`](Outcome::DeadLetter), an error from the
-    /// stack (a service other than oncely's tiers, such as a timeout) is a
-    /// [`RetryLater`](Outcome::RetryLater).
+    /// Never fails and never panics: an oversize body or a bad key is a
+    /// [`DeadLetter`](Outcome::DeadLetter); an error from the stack (a service other than
+    /// oncely's tiers, such as a timeout) is a [`RetryLater`](Outcome::RetryLater) with
+    /// [`RetryReason::HandlerFailed`], and a panic anywhere in the stack one with
+    /// [`RetryReason::HandlerPanicked`]. The panicking stack's future is dropped, which
+    /// rolls back the transactional record's open transaction with its connection. At the
+    /// route's maximum attempts a retry that is not a wait becomes
+    /// [`DeadLetterReason::AttemptsExhausted`].
     pub async fn handle(&self, delivery: Delivery) -> Outcome {
         let attempt = delivery.attempt();
         let span = tracing::debug_span!(
@@ -98,30 +122,9 @@ where
             attempt,
             outcome = tracing::field::Empty
         );
-        let outcome = async {
-            let key = match self.key.extract(&delivery) {
-                Ok(key) => key,
-                Err(error) => return Outcome::dead_letter(DeadLetterReason::InvalidKey, error.to_string()),
-            };
-            tracing::Span::current().record("key", key.as_str());
-            let failed = |error: S::Error| {
-                let error: BoxError = error.into();
-                Outcome::retry_later(RetryReason::HandlerFailed, error.to_string(), None)
-            };
-            let mut stack = self.stack.clone();
-            if let Err(error) = poll_fn(|cx| stack.poll_ready(cx)).await {
-                return failed(error);
-            }
-            let mut envelope = Envelope::new(key, delivery);
-            envelope
-                .extensions_mut()
-                .insert(crate::telemetry::RouteName(self.name.clone()));
-            stack.call(envelope).await.unwrap_or_else(failed)
-        }
-        .instrument(span.clone())
-        .await;
+        let outcome = self.run(delivery).instrument(span.clone()).await;
         let outcome = match outcome {
-            Outcome::RetryLater(retry) if attempt >= self.max_attempts && !is_waiting(retry.reason) => {
+            Outcome::RetryLater(retry) if attempt >= self.max_attempts && !retry.reason.is_wait() => {
                 Outcome::dead_letter(
                     DeadLetterReason::AttemptsExhausted,
                     format!("gave up after {attempt} attempts; last: {retry}"),
@@ -134,9 +137,61 @@ where
         crate::telemetry::count_outcome(&self.name, &outcome);
         outcome
     }
+
+    /// The delivery's outcome from the stack, before the attempt limit applies.
+    async fn run(&self, delivery: Delivery) -> Outcome {
+        let body_len = delivery.body().len();
+        if body_len > self.max_body_len {
+            let error = Error::BodyTooLarge {
+                len: body_len,
+                max: self.max_body_len,
+            };
+            return Outcome::dead_letter(DeadLetterReason::Oversize, error.to_string());
+        }
+        let key = match self.key.extract(&delivery) {
+            Ok(key) => key,
+            Err(error) => return Outcome::dead_letter(DeadLetterReason::InvalidKey, error.to_string()),
+        };
+        tracing::Span::current().record("key", key.as_str());
+        let failed = |error: S::Error| {
+            let error: BoxError = error.into();
+            Outcome::retry_later(RetryReason::HandlerFailed, error.to_string(), None)
+        };
+        let mut stack = self.stack.clone();
+        let mut envelope = Envelope::new(key, delivery);
+        envelope
+            .extensions_mut()
+            .insert(crate::telemetry::RouteName(self.name.clone()));
+        // A panic unwinds out of the stack's future, dropping it: every tier's guards run
+        // (the record's connection is discarded, the lock's watchdog stops), and the
+        // delivery is answered like any other failure instead of taking down the consumer
+        // task with its unacked message.
+        let answer = AssertUnwindSafe(async move {
+            poll_fn(|cx| stack.poll_ready(cx)).await?;
+            stack.call(envelope).await
+        })
+        .catch_unwind()
+        .await;
+        match answer {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(error)) => failed(error),
+            Err(panic) => {
+                let message = panic_message(panic.as_ref());
+                tracing::error!(
+                    panic = message,
+                    "the stack panicked; the delivery will be retried"
+                );
+                Outcome::retry_later(RetryReason::HandlerPanicked, format!("panicked: {message}"), None)
+            }
+        }
+    }
 }
 
-/// True for retries that wait for another delivery rather than recover from a failure.
-fn is_waiting(reason: RetryReason) -> bool {
-    matches!(reason, RetryReason::InFlight(_) | RetryReason::LockBusy)
+/// The text a panic was raised with, when it has one.
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message")
 }

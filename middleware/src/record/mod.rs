@@ -32,6 +32,7 @@ mod layer;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod safe;
 mod service;
 mod store;
 
@@ -43,5 +44,6 @@ pub use postgres::{
     EffectCheck, PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalService, ReconcileReport,
     Reconciler,
 };
+pub use safe::{AssertTransactionSafe, TransactionSafe};
 pub use service::RecordService;
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

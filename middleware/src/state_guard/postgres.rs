@@ -6,7 +6,7 @@ use deadpool_postgres::Pool;
 use super::store::StateStore;
 use crate::error::Error;
 use crate::outcome::Tier;
-use crate::postgres::{Table, store_error};
+use crate::postgres::{Checkout, Table, store_error};
 
 /// A [`StateStore`] on PostgreSQL: one row per entity in a table made by
 /// [`migrate_state`](crate::postgres::migrate_state) (`entity_id`, `status`, `version`,
@@ -50,26 +50,29 @@ impl fmt::Debug for PgStateStore {
 
 impl StateStore for PgStateStore {
     async fn current(&self, entity: &str) -> Result<Option<String>, Error> {
-        let failed = store_error(Tier::StateGuard);
-        let client = self.pool.get().await.map_err(&failed)?;
-        let row = client
-            .query_opt(&self.statements[0], &[&entity])
-            .await
-            .map_err(store_error(Tier::StateGuard))?;
-        Ok(row.map(|row| row.get(0)))
+        Checkout::run(&self.pool, Tier::StateGuard, async |client| {
+            let row = client
+                .query_opt(&self.statements[0], &[&entity])
+                .await
+                .map_err(store_error(Tier::StateGuard))?;
+            Ok(row.map(|row| row.get(0)))
+        })
+        .await
     }
 
     async fn compare_and_set(&self, entity: &str, expected: Option<&str>, next: &str) -> Result<bool, Error> {
-        let client = self.pool.get().await.map_err(store_error(Tier::StateGuard))?;
-        let changed = match expected {
-            None => client.execute(&self.statements[1], &[&entity, &next]).await,
-            Some(expected) => {
-                client
-                    .execute(&self.statements[2], &[&entity, &expected, &next])
-                    .await
+        Checkout::run(&self.pool, Tier::StateGuard, async |client| {
+            let changed = match expected {
+                None => client.execute(&self.statements[1], &[&entity, &next]).await,
+                Some(expected) => {
+                    client
+                        .execute(&self.statements[2], &[&entity, &expected, &next])
+                        .await
+                }
             }
-        }
-        .map_err(store_error(Tier::StateGuard))?;
-        Ok(changed == 1)
+            .map_err(store_error(Tier::StateGuard))?;
+            Ok(changed == 1)
+        })
+        .await
     }
 }

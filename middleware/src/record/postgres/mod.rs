@@ -32,7 +32,8 @@ pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransaction
 use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
 use crate::envelope::{BusinessKey, Fingerprint};
 use crate::error::Error;
-use crate::postgres::Table;
+use crate::outcome::Tier;
+use crate::postgres::{Checkout, Table};
 
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
 ///
@@ -90,20 +91,22 @@ impl PgRecordStore {
         status: RecordStatus,
         error: Option<&str>,
     ) -> Result<bool, Error> {
-        let client = self.pool.get().await.map_err(record_error)?;
-        let statement = client
-            .prepare_cached(&self.statements.settle)
-            .await
-            .map_err(record_error)?;
         let retry_count = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
-        let changed = client
-            .execute(
-                &statement,
-                &[&key.as_str(), &retry_count, &status.as_str(), &error],
-            )
-            .await
-            .map_err(record_error)?;
-        Ok(changed == 1)
+        Checkout::run(&self.pool, Tier::Record, async |client| {
+            let statement = client
+                .prepare_cached(&self.statements.settle)
+                .await
+                .map_err(record_error)?;
+            let changed = client
+                .execute(
+                    &statement,
+                    &[&key.as_str(), &retry_count, &status.as_str(), &error],
+                )
+                .await
+                .map_err(record_error)?;
+            Ok(changed == 1)
+        })
+        .await
     }
 }
 
@@ -133,10 +136,12 @@ impl RecordStore for PgRecordStore {
         if let Some(coalescer) = &self.coalescer {
             return coalescer.claim(request).await;
         }
-        let client = self.pool.get().await.map_err(record_error)?;
-        let mut answers =
-            claim_batch(&client, &self.statements, &[request], RecordStatus::Processing).await?;
-        Ok(answers.remove(0))
+        Checkout::run(&self.pool, Tier::Record, async |client| {
+            let mut answers =
+                claim_batch(client, &self.statements, &[request], RecordStatus::Processing).await?;
+            Ok(answers.remove(0))
+        })
+        .await
     }
 
     async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, Error> {
@@ -149,12 +154,14 @@ impl RecordStore for PgRecordStore {
     }
 
     async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, Error> {
-        let client = self.pool.get().await.map_err(record_error)?;
-        let row = client
-            .query_opt(&self.statements.get, &[&key.as_str()])
-            .await
-            .map_err(record_error)?;
-        row.as_ref().map(read_record).transpose()
+        Checkout::run(&self.pool, Tier::Record, async |client| {
+            let row = client
+                .query_opt(&self.statements.get, &[&key.as_str()])
+                .await
+                .map_err(record_error)?;
+            row.as_ref().map(read_record).transpose()
+        })
+        .await
     }
 }
 

@@ -4,7 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Pool;
+use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -12,9 +13,16 @@ use super::sql::{ClaimRequest, Statements, claim_batch, record_error, to_i64};
 use crate::envelope::Envelope;
 use crate::lock::LockLease;
 use crate::outcome::{DeadLetterReason, Outcome, RetryReason, Tier};
-use crate::postgres::Table;
+use crate::postgres::{Checkout, Table};
+use crate::record::TransactionSafe;
 use crate::record::store::{Begin, RecordStatus};
 use crate::service::{BoxFuture, take_ready};
+
+/// Ends the transaction, but only if it is still open and not aborted: `SAVEPOINT` fails
+/// outside a transaction block and in an aborted one, and the rest of a simple query is
+/// skipped after a failure. A plain `COMMIT` of an aborted transaction answers with the tag
+/// `ROLLBACK` and no error, which the client does not show.
+const COMMIT_CHECKED: &str = "SAVEPOINT oncely_commit_check; COMMIT";
 
 /// The open transaction of the delivery being handled, as the handler finds it in the
 /// envelope's [extensions](crate::Envelope::extensions).
@@ -22,7 +30,10 @@ use crate::service::{BoxFuture, take_ready};
 /// Write the business effect through [`client`](PgTransaction::client): it runs inside the
 /// transaction that also holds the key's record, and commits only if the stack answers
 /// processed. Do not `COMMIT` or `ROLLBACK` it yourself, and do not keep it after the
-/// handler returns.
+/// handler returns. A statement that fails aborts the whole transaction: returning `Ok`
+/// after ignoring such an error does not make the delivery processed — the tier sees the
+/// aborted transaction at commit and answers [`RetryLater`](crate::Outcome::RetryLater)
+/// with [`RetryReason::HandlerFailed`].
 ///
 /// ```no_run
 /// # use oncely::{Envelope, HandlerError};
@@ -37,12 +48,12 @@ use crate::service::{BoxFuture, take_ready};
 /// }
 /// ```
 #[derive(Clone)]
-pub struct PgTransaction(Arc<Object>);
+pub struct PgTransaction(Arc<Checkout>);
 
 impl PgTransaction {
     /// The connection, inside the open transaction.
     pub fn client(&self) -> &deadpool_postgres::Client {
-        &self.0
+        self.0.client()
     }
 }
 
@@ -71,6 +82,45 @@ impl fmt::Debug for PgTransaction {
 /// the failure is then noted on the row as `FAILURE` with its text and a retry count, in a
 /// separate statement. A commit whose answer is lost may have committed: the redelivery then
 /// finds `SUCCESS` and is a duplicate, so nothing is applied twice either way.
+///
+/// The tier checks that its `COMMIT` really committed: a transaction that a handler's
+/// ignored statement error aborted, or that the handler ended itself, is answered
+/// [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`], never
+/// processed. A connection goes back to the pool only after an explicit `COMMIT` or
+/// `ROLLBACK` succeeded on it: when the stack's future is dropped (a `tower` timeout in
+/// front, a shutdown), or a tier behind panics, the connection is closed instead, and the
+/// server rolls the transaction back.
+///
+/// Only services that write nothing outside the transaction may stand behind this tier
+/// ([`TransactionSafe`]): a flag or state guard there is a compile error.
+///
+/// ```
+/// # use std::time::Duration;
+/// # use oncely::{Envelope, HandlerError, handler_fn};
+/// # use oncely::flag::{FlagLayer, MemoryFlagStore};
+/// # use oncely::record::PgTransactionalLayer;
+/// # fn stack(pool: oncely::postgres::deadpool_postgres::Pool, table: oncely::postgres::Table) {
+/// let handler = handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) });
+/// let flag_in_front = tower::ServiceBuilder::new()
+///     .layer(FlagLayer::new(MemoryFlagStore::new(), Duration::from_secs(600)))
+///     .layer(PgTransactionalLayer::new(pool, table))
+///     .service(handler);
+/// # }
+/// ```
+///
+/// ```compile_fail
+/// # use std::time::Duration;
+/// # use oncely::{Envelope, HandlerError, handler_fn};
+/// # use oncely::flag::{FlagLayer, MemoryFlagStore};
+/// # use oncely::record::PgTransactionalLayer;
+/// # fn stack(pool: oncely::postgres::deadpool_postgres::Pool, table: oncely::postgres::Table) {
+/// let handler = handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) });
+/// let flag_inside_the_transaction = tower::ServiceBuilder::new()
+///     .layer(PgTransactionalLayer::new(pool, table))
+///     .layer(FlagLayer::new(MemoryFlagStore::new(), Duration::from_secs(600)))
+///     .service(handler);
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct PgTransactionalLayer {
     pool: Pool,
@@ -97,7 +147,7 @@ impl fmt::Debug for PgTransactionalLayer {
     }
 }
 
-impl<S> Layer<S> for PgTransactionalLayer {
+impl<S: TransactionSafe> Layer<S> for PgTransactionalLayer {
     type Service = crate::telemetry::Measured<PgTransactionalService<crate::telemetry::Passed<S>>>;
 
     fn layer(&self, inner: S) -> Self::Service {
@@ -143,10 +193,6 @@ where
         let mut inner = take_ready(&mut self.inner);
         let config = self.config.clone();
         Box::pin(async move {
-            let client = match config.pool.get().await {
-                Ok(client) => Arc::new(client),
-                Err(error) => return Ok(unavailable(error)),
-            };
             let request = ClaimRequest {
                 key: envelope.key().clone(),
                 fingerprint: envelope.fingerprint(),
@@ -156,100 +202,126 @@ where
                     .map(LockLease::fencing_token),
                 lease: None,
             };
-            if let Err(error) = client.batch_execute("BEGIN").await {
-                discard(client);
-                return Ok(unavailable(error));
-            }
-            let claim = claim_batch(
-                &*client,
-                &config.statements,
-                std::slice::from_ref(&request),
-                RecordStatus::Success,
-            )
-            .await
-            .map(|mut answers| answers.remove(0));
-            let stop = match claim {
-                Ok(Begin::Started { .. }) => None,
-                Ok(Begin::Done) => Some(Outcome::Duplicate { tier: Tier::Record }),
-                Ok(Begin::Conflict { recorded }) => Some(Outcome::dead_letter(
-                    DeadLetterReason::PayloadMismatch,
-                    format!(
-                        "key {} was recorded with payload {recorded}, this one is {}",
-                        request.key, request.fingerprint
-                    ),
-                )),
-                Ok(Begin::Fenced) => Some(Outcome::retry_later(
-                    RetryReason::LeaseLost,
-                    format!(
-                        "key {} was written under a newer lock than this delivery's",
-                        request.key
-                    ),
-                    None,
-                )),
-                Ok(Begin::InProgress) => Some(Outcome::retry_later(
-                    RetryReason::InFlight(Tier::Record),
-                    format!("key {} is PROCESSING", request.key),
-                    None,
-                )),
-                Err(error) => Some(unavailable(error)),
+            let transaction = match begin(&config, &request).await {
+                Ok(transaction) => transaction,
+                Err(stop) => return Ok(stop),
             };
-            if let Some(outcome) = stop {
-                finish(client, "ROLLBACK").await;
-                return Ok(outcome);
-            }
-
-            envelope.extensions_mut().insert(PgTransaction(client.clone()));
+            envelope
+                .extensions_mut()
+                .insert(PgTransaction(transaction.clone()));
             let answer = inner.call(envelope).await;
             let failure = match &answer {
-                Ok(outcome) if outcome.is_settled() => None,
-                Ok(outcome) => Some(outcome.to_string()),
-                Err(error) => Some(error.to_string()),
+                Ok(outcome) if outcome.is_settled() => match commit(transaction).await {
+                    Ok(()) => return answer,
+                    Err(failed) => return Ok(noted(&config, &request, failed).await),
+                },
+                Ok(outcome) => outcome.to_string(),
+                Err(error) => error.to_string(),
             };
-            match failure {
-                None => {
-                    if let Err(error) = client.batch_execute("COMMIT").await {
-                        discard(client);
-                        return Ok(unavailable(format!("commit failed: {error}")));
-                    }
-                    // Dropping the last handle returns the connection to the pool.
-                    drop(client);
-                }
-                Some(failure) => {
-                    finish(client, "ROLLBACK").await;
-                    note_failure(&config, &request, &failure).await;
-                }
-            }
+            end(transaction, "ROLLBACK").await;
+            note_failure(&config, &request, &failure).await;
             answer
         })
     }
 }
 
-/// Ends the transaction; a connection that cannot is not returned to the pool.
-async fn finish(client: Arc<Object>, statement: &str) {
-    match client.batch_execute(statement).await {
-        Ok(()) => drop(client),
+/// Opens the transaction and claims the key in it. `Err` is the outcome when the tiers
+/// behind must not run: the key is done, taken, fenced, reused with another payload, or the
+/// store failed.
+async fn begin(config: &PgTransactionalLayer, request: &ClaimRequest) -> Result<Arc<Checkout>, Outcome> {
+    let transaction = Checkout::get(&config.pool, Tier::Record)
+        .await
+        .map_err(unavailable)?;
+    if let Err(error) = transaction.client().batch_execute("BEGIN").await {
+        return Err(unavailable(error));
+    }
+    let claim = claim_batch(
+        transaction.client(),
+        &config.statements,
+        std::slice::from_ref(request),
+        RecordStatus::Success,
+    )
+    .await
+    .map(|mut answers| answers.remove(0));
+    let stop = match claim {
+        Ok(Begin::Started { .. }) => return Ok(Arc::new(transaction)),
+        Ok(Begin::Done) => Outcome::Duplicate { tier: Tier::Record },
+        Ok(Begin::Conflict { recorded }) => Outcome::dead_letter(
+            DeadLetterReason::PayloadMismatch,
+            format!(
+                "key {} was recorded with payload {recorded}, this one is {}",
+                request.key, request.fingerprint
+            ),
+        ),
+        Ok(Begin::Fenced) => Outcome::retry_later(
+            RetryReason::LeaseLost,
+            format!(
+                "key {} was written under a newer lock than this delivery's",
+                request.key
+            ),
+            None,
+        ),
+        Ok(Begin::InProgress) => Outcome::retry_later(
+            RetryReason::InFlight(Tier::Record),
+            format!("key {} is PROCESSING", request.key),
+            None,
+        ),
+        Err(error) => unavailable(error),
+    };
+    end(Arc::new(transaction), "ROLLBACK").await;
+    Err(stop)
+}
+
+/// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
+/// connection lost, when nobody knows; the redelivery then finds out from the record).
+async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
+    match transaction.client().batch_execute(COMMIT_CHECKED).await {
+        Ok(()) => {
+            transaction.mark_clean();
+            Ok(())
+        }
+        Err(error)
+            if error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION)
+                || error.code() == Some(&SqlState::NO_ACTIVE_SQL_TRANSACTION) =>
+        {
+            end(transaction, "ROLLBACK").await;
+            Err(Outcome::retry_later(
+                RetryReason::HandlerFailed,
+                format!(
+                    "nothing was committed: a statement of the handler failed and aborted the transaction \
+                     (or the handler ended it itself) although the handler answered success: {error}"
+                ),
+                None,
+            ))
+        }
+        // Dropping the connection unmarked closes it: its state is unknown.
+        Err(error) => Err(unavailable(format!("commit failed: {error}"))),
+    }
+}
+
+/// Ends the transaction with `statement`; the connection goes back to the pool only if that
+/// worked.
+async fn end(transaction: Arc<Checkout>, statement: &str) {
+    match transaction.client().batch_execute(statement).await {
+        Ok(()) => transaction.mark_clean(),
         Err(error) => {
             tracing::warn!(%error, statement, "could not end the record transaction; dropping the connection");
-            discard(client);
         }
     }
 }
 
-/// Drops the connection instead of returning it to the pool: its transaction state is
-/// unknown, and the next delivery must not inherit it.
-fn discard(client: Arc<Object>) {
-    if let Ok(object) = Arc::try_unwrap(client) {
-        drop(Object::take(object));
-    }
+/// Notes `outcome`, a failure found at commit, on the key's row and answers it.
+async fn noted(config: &PgTransactionalLayer, request: &ClaimRequest, outcome: Outcome) -> Outcome {
+    note_failure(config, request, &outcome.to_string()).await;
+    outcome
 }
 
 /// Records a failed attempt after the rollback, outside the transaction: best effort, for
 /// operators; the outcome does not depend on it.
 async fn note_failure(config: &PgTransactionalLayer, request: &ClaimRequest, error: &str) {
-    let noted = async {
-        let client = config.pool.get().await.map_err(record_error)?;
-        let fence = request.fencing_token.map(to_i64);
-        let fingerprint = request.fingerprint.to_string();
+    let fence = request.fencing_token.map(to_i64);
+    let fingerprint = request.fingerprint.to_string();
+    let noted = Checkout::run(&config.pool, Tier::Record, async |client| {
         client
             .execute(
                 &config.statements.note_failure,
@@ -257,7 +329,7 @@ async fn note_failure(config: &PgTransactionalLayer, request: &ClaimRequest, err
             )
             .await
             .map_err(record_error)
-    };
+    });
     if let Err(failure) = noted.await {
         tracing::warn!(key = %request.key, %failure, "could not note the failed attempt");
     }

@@ -1,0 +1,282 @@
+//! Handler bugs against the transactional record on a real PostgreSQL: a swallowed statement
+//! error, a panic, a timeout that drops the stack's future, and input that is not what the
+//! schema says. Each test asserts what a user relies on: the business rows, the record rows
+//! and the outcome the adapter would act on.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
+use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::{
+    Broker, DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route,
+    Source, handler_fn,
+};
+use tower::ServiceBuilder;
+use tower::timeout::TimeoutLayer;
+
+fn order(id: &str) -> Delivery {
+    Delivery::new(
+        Source::new(Broker::InProcess, "orders"),
+        format!(r#"{{"orderId":"{id}","sku":"sku-1"}}"#),
+    )
+}
+
+/// The test's schema with a `stock_moves` table (one row per order at most), and a pool of
+/// `size` connections that search it first.
+async fn stock_schema(size: usize) -> (ScratchSchema, Pool) {
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE)")
+        .await;
+    let pool = schema_pool(schema.name(), size);
+    (schema, pool)
+}
+
+async fn status_of(schema: &ScratchSchema, key: &str) -> Option<String> {
+    let client = pool(1).get().await.expect("PostgreSQL");
+    client
+        .query_opt(
+            &format!(
+                "SELECT status FROM {}.consumption_record WHERE message_key = $1",
+                schema.name()
+            ),
+            &[&key],
+        )
+        .await
+        .expect("read the record")
+        .map(|row| row.get(0))
+}
+
+async fn moves_of(schema: &ScratchSchema, key: &str) -> i64 {
+    schema
+        .count(&format!(
+            "SELECT count(*) FROM stock_moves WHERE order_id = '{key}'"
+        ))
+        .await
+}
+
+fn the_transaction(envelope: &Envelope) -> PgTransaction {
+    envelope
+        .extensions()
+        .get::<PgTransaction>()
+        .expect("the transactional record in front")
+        .clone()
+}
+
+/// Writes the stock move, then runs `bug` in the same transaction and ignores its error, as a
+/// handler that treats a unique violation as "already applied" does.
+async fn swallowing_handler(envelope: Envelope, bug: &str) -> Result<(), HandlerError> {
+    insert_stock_move(&envelope).await?;
+    let _ignored = the_transaction(&envelope).client().batch_execute(bug).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
+    for bug in [
+        "SELECT 1/0",
+        // The same order again: a unique violation the handler takes for "already applied".
+        "INSERT INTO stock_moves (order_id) SELECT order_id FROM stock_moves",
+    ] {
+        let (schema, pool) = stock_schema(4).await;
+        let stack = ServiceBuilder::new()
+            .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+            .service(handler_fn(move |envelope| swallowing_handler(envelope, bug)));
+        let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+
+        let outcome = route.handle(order("o-1")).await;
+        assert_eq!(
+            outcome.retry_reason(),
+            Some(RetryReason::HandlerFailed),
+            "{bug}: {outcome}"
+        );
+        assert_eq!(moves_of(&schema, "o-1").await, 0, "{bug}: nothing committed");
+        assert_eq!(
+            status_of(&schema, "o-1").await.as_deref(),
+            Some("FAILURE"),
+            "{bug}: the attempt is noted, not recorded as done"
+        );
+
+        // The redelivery, handled by a fixed handler, applies the effect once.
+        let fixed = ServiceBuilder::new()
+            .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+            .service(handler_fn(|envelope: Envelope| async move {
+                insert_stock_move(&envelope).await
+            }));
+        let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), fixed);
+        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{bug}");
+        assert_eq!(moves_of(&schema, "o-1").await, 1, "{bug}");
+    }
+}
+
+#[tokio::test]
+async fn a_handler_that_ends_the_transaction_itself_is_retried() {
+    let (schema, pool) = stock_schema(4).await;
+    let stack = ServiceBuilder::new()
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler_fn(|envelope: Envelope| async move {
+            insert_stock_move(&envelope).await?;
+            the_transaction(&envelope)
+                .client()
+                .batch_execute("ROLLBACK")
+                .await?;
+            Ok::<(), HandlerError>(())
+        }));
+    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcome = route.handle(order("o-1")).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{outcome}"
+    );
+    assert_eq!(moves_of(&schema, "o-1").await, 0);
+}
+
+/// What a faulty first call does after writing the stock move.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Panic,
+    Hang,
+}
+
+/// A stack on a pool of ONE connection, so the next delivery gets the very connection the
+/// faulty one used: writes the stock move, then on the first call panics or hangs past a
+/// `tower` timeout placed in front of the whole stack.
+fn faulty_route(
+    pool: &Pool,
+    schema: &ScratchSchema,
+    fault: Fault,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = tower::BoxError, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
+> {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = handler_fn(move |envelope: Envelope| {
+        let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            insert_stock_move(&envelope).await?;
+            match fault {
+                Fault::Panic if first => panic!("bug in the handler"),
+                Fault::Hang if first => tokio::time::sleep(Duration::from_secs(30)).await,
+                Fault::Panic | Fault::Hang => {}
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(TimeoutLayer::new(Duration::from_millis(300)))
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler);
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_or_a_timeout_mid_transaction_commits_nothing_and_poisons_no_connection() {
+    for (fault, reason) in [
+        (Fault::Panic, RetryReason::HandlerPanicked),
+        (Fault::Hang, RetryReason::HandlerFailed),
+    ] {
+        let (schema, pool) = stock_schema(1).await;
+        let route = faulty_route(&pool, &schema, fault);
+
+        let outcome = route.handle(order("o-cut")).await;
+        assert_eq!(outcome.retry_reason(), Some(reason), "{fault:?}: {outcome}");
+        // The next delivery on the pool's one connection must not commit the abandoned one.
+        assert_eq!(
+            route.handle(order("o-next")).await,
+            Outcome::Processed,
+            "{fault:?}"
+        );
+        assert_eq!(
+            moves_of(&schema, "o-cut").await,
+            0,
+            "{fault:?}: half an effect committed"
+        );
+        assert_eq!(status_of(&schema, "o-cut").await, None, "{fault:?}");
+
+        // The abandoned delivery's retry is new work, not a duplicate, and is not blocked.
+        assert_eq!(
+            route.handle(order("o-cut")).await,
+            Outcome::Processed,
+            "{fault:?}"
+        );
+        assert_eq!(moves_of(&schema, "o-cut").await, 1, "{fault:?}");
+        assert_eq!(moves_of(&schema, "o-next").await, 1, "{fault:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_panic_at_the_attempt_limit_is_dead_lettered_saying_it_panicked() {
+    let (schema, pool) = stock_schema(2).await;
+    let stack = ServiceBuilder::new()
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler_fn(|envelope: Envelope| async move {
+            insert_stock_move(&envelope).await?;
+            panic!("index out of bounds");
+            #[allow(unreachable_code)]
+            Ok::<(), HandlerError>(())
+        }));
+    let route =
+        Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack).with_max_attempts(2);
+    let first = route.handle(order("o-1")).await;
+    assert_eq!(
+        first.retry_reason(),
+        Some(RetryReason::HandlerPanicked),
+        "{first}"
+    );
+    let last = route.handle(order("o-1").with_attempt(2)).await;
+    match &last {
+        Outcome::DeadLetter(dead) => {
+            assert_eq!(dead.reason, DeadLetterReason::AttemptsExhausted);
+            assert!(dead.detail.contains("panicked: index out of bounds"), "{dead}");
+        }
+        other => panic!("expected a dead letter, got {other}"),
+    }
+    assert_eq!(moves_of(&schema, "o-1").await, 0);
+}
+
+#[tokio::test]
+async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
+    let (schema, pool) = stock_schema(2).await;
+    let stack = ServiceBuilder::new()
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler_fn(|envelope: Envelope| async move {
+            insert_stock_move(&envelope).await
+        }));
+    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+        .with_max_body_len(1024 * 1024);
+    let source = || Source::new(Broker::InProcess, "orders");
+    let cases = [
+        (
+            Delivery::new(source(), "{\"orderId\":\"o-\\u0000-1\"}"),
+            DeadLetterReason::InvalidKey,
+        ),
+        (
+            Delivery::new(source(), "{\"orderId\":\"o-\\n-1\"}"),
+            DeadLetterReason::InvalidKey,
+        ),
+        (
+            Delivery::new(source(), r#"{"orderId":123456789012345678901234567890}"#),
+            DeadLetterReason::InvalidKey,
+        ),
+        (
+            Delivery::new(source(), vec![b' '; 10 * 1024 * 1024]),
+            DeadLetterReason::Oversize,
+        ),
+    ];
+    for (delivery, reason) in cases {
+        let outcome = route.handle(delivery.with_attempt(u32::MAX)).await;
+        assert_eq!(outcome.dead_letter_reason(), Some(reason), "{outcome}");
+    }
+    assert_eq!(
+        schema.count("SELECT count(*) FROM consumption_record").await,
+        0,
+        "no record was written or noted"
+    );
+}

@@ -1,0 +1,63 @@
+//! Which services may run inside the transactional record's open transaction.
+
+use std::fmt;
+use std::task::{Context, Poll};
+
+use tower_service::Service;
+
+/// A service that may run inside the transactional record's open transaction: it remembers
+/// nothing outside that transaction before it commits.
+///
+/// A flag, a state guard, a three-step record or a second transactional record *inside* the
+/// transactional record would write "done" (or the new state) on its own connection or
+/// server before the record's `COMMIT`; if that commit then fails, the delivery's retry is
+/// answered as a duplicate (or stale) and the effect is lost. So
+/// [`PgTransactionalLayer`](crate::record::PgTransactionalLayer) only wraps services that
+/// implement this trait, and such an order does not compile.
+///
+/// Implemented for the handler ([`HandlerFn`](crate::HandlerFn)), the lock and pre-filter
+/// tiers and the telemetry wrappers around them, and tower's `Timeout`. Wrap any other
+/// service you have checked (a `tower::service_fn`, a boxed service) in
+/// [`AssertTransactionSafe`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` may not run inside the transactional record's transaction",
+    label = "the transactional record wraps this service",
+    note = "a flag or state guard inside the transactional record marks done before COMMIT, so a failed commit would lose the message: put them in front of PgTransactionalLayer",
+    note = "for a service of your own that writes nothing outside the transaction, wrap it in `oncely::record::AssertTransactionSafe`"
+)]
+pub trait TransactionSafe {}
+
+impl<F> TransactionSafe for crate::HandlerFn<F> {}
+impl<S: TransactionSafe, St> TransactionSafe for crate::lock::LockService<S, St> {}
+#[cfg(feature = "prefilter")]
+impl<S: TransactionSafe, F> TransactionSafe for crate::prefilter::PreFilterService<S, F> {}
+impl<S: TransactionSafe> TransactionSafe for crate::telemetry::Measured<S> {}
+impl<S: TransactionSafe> TransactionSafe for crate::telemetry::Passed<S> {}
+impl<S: TransactionSafe> TransactionSafe for tower::timeout::Timeout<S> {}
+impl<S> TransactionSafe for AssertTransactionSafe<S> {}
+
+/// Declares `S` safe to run inside the transactional record's transaction: you checked that
+/// it writes nothing outside it before the commit (see [`TransactionSafe`]). Passes every
+/// call through unchanged.
+#[derive(Clone)]
+pub struct AssertTransactionSafe<S>(pub S);
+
+impl<S> fmt::Debug for AssertTransactionSafe<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AssertTransactionSafe")
+    }
+}
+
+impl<S: Service<R>, R> Service<R> for AssertTransactionSafe<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        self.0.call(request)
+    }
+}
