@@ -47,7 +47,7 @@ fn to_headers(table: &FieldTable) -> Headers {
     headers
 }
 
-fn integer_of(value: &AMQPValue) -> Option<i128> {
+pub(crate) fn integer_of(value: &AMQPValue) -> Option<i128> {
     Some(match value {
         AMQPValue::ShortShortInt(v) => i128::from(*v),
         AMQPValue::ShortShortUInt(v) => i128::from(*v),
@@ -63,7 +63,9 @@ fn integer_of(value: &AMQPValue) -> Option<i128> {
 
 fn attempt_of(table: &FieldTable) -> Option<u32> {
     let value = table.inner().get(ATTEMPT_HEADER)?;
-    integer_of(value).and_then(|attempt| u32::try_from(attempt).ok())
+    // A producer may send any number here: beyond u32 it saturates (and the route's limit
+    // applies at once), below 1 it reads as a first attempt.
+    integer_of(value).map(|attempt| u32::try_from(attempt.max(1)).unwrap_or(u32::MAX))
 }
 
 #[cfg(test)]
@@ -83,5 +85,11 @@ mod tests {
         assert!(headers.get("x-nested").is_none());
         assert_eq!(attempt_of(&table), Some(4));
         assert_eq!(attempt_of(&FieldTable::default()), None);
+        // A producer's header is not trusted to fit: it saturates instead of overflowing.
+        let mut forged = FieldTable::default();
+        forged.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(i64::MAX));
+        assert_eq!(attempt_of(&forged), Some(u32::MAX));
+        forged.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(-5));
+        assert_eq!(attempt_of(&forged), Some(1));
     }
 }

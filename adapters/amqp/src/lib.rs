@@ -32,7 +32,8 @@ pub use convert::{ATTEMPT_HEADER, to_delivery};
 pub use error::Error;
 pub use producer::{DEFAULT_KEY_HEADER, Producer};
 pub use runner::{
-    ATTEMPTS_HEADER, ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER, REASON_HEADER, Runner,
+    ATTEMPTS_HEADER, DEFAULT_MAX_DELIVERIES, ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER,
+    REASON_HEADER, Runner, SETTLE_RETRY_DELAY,
 };
 pub use topology::Topology;
 

@@ -13,13 +13,13 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
-use oncely::{BoxError, BrokerAction, Envelope, Outcome, Route};
+use oncely::{BoxError, DeadLetterReason, Envelope, Outcome, Route};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
-use crate::convert::{ATTEMPT_HEADER, to_delivery};
+use crate::convert::{ATTEMPT_HEADER, integer_of, to_delivery};
 use crate::error::Error;
 use crate::topology::Topology;
 
@@ -32,27 +32,59 @@ pub const ORIGINAL_EXCHANGE_HEADER: &str = "x-oncely-original-exchange";
 /// Dead-letter and retry header: the routing key the message was first published with.
 pub const ORIGINAL_ROUTING_KEY_HEADER: &str = "x-oncely-original-routing-key";
 
+/// How many times a message may come back unsettled before it is dead-lettered, unless
+/// configured otherwise ([`Runner::with_max_deliveries`]).
+pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
+
+/// How long the runner waits before returning a delivery it could not settle (its retry or
+/// dead-letter copy was not confirmed) to its queue.
+pub const SETTLE_RETRY_DELAY: Duration = Duration::from_secs(1);
+
+/// The header quorum queues put on a message they deliver again: how many times it came
+/// back unsettled.
+const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
+
 /// Runs a route's stack over a RabbitMQ queue: the consumer loop you would write by hand,
 /// with the acks decided by the stack's [`Outcome`]s.
 ///
 /// | outcome | what the runner does |
 /// |---|---|
 /// | processed, duplicate, stale | `basic.ack` |
-/// | retry later | publishes a copy to a retry queue of the [`Topology`] (attempt + 1), waits for the broker's confirm, then acks |
+/// | retry later | publishes a copy to a retry queue of the [`Topology`], waits for the broker's confirm, then acks; the copy's attempt is one more, except for a wait (in flight elsewhere, lock busy), which uses up no attempt |
 /// | dead letter | publishes a copy to the dead-letter queue with the reason headers, waits for the confirm, then acks |
 ///
 /// A delivery is acked only after the stack answered for it and, for a retry or a dead
-/// letter, only after the broker confirmed the copy; if that publish fails, the delivery is
-/// `nack`ed back to its queue. So a message is never lost between the two. A consumer that
-/// dies leaves its deliveries unacked, and the broker redelivers them: the stack answers
-/// for what was already done.
+/// letter, only after the broker confirmed the copy. If that publish fails (no queue takes
+/// it, no confirm in time), the delivery goes back to its queue after
+/// [`SETTLE_RETRY_DELAY`], which counts as an unsettled delivery (below). So a message is
+/// never lost between the two, and a broker that refuses copies gets no hot loop.
+///
+/// **Crashes and panics.** A panic in the stack is an outcome like any other failure
+/// ([`Route::handle`]). A consumer process that dies (OOM, abort, SIGKILL, a fault in a C
+/// library) leaves its deliveries unacked, and the broker delivers them again with
+/// `x-delivery-count`. Such a delivery is not run among the others: it is moved to the
+/// topology's suspect queue, which the runner consumes one message at a time (prefetch 1),
+/// so a crash there is counted against the message that caused it and not against the
+/// ones that happened to be in flight beside it. A message that came back unsettled
+/// [`max_deliveries`](Runner::with_max_deliveries) times is dead-lettered with
+/// [`DeadLetterReason::DeliveryLimit`] without running again.
 pub struct Runner<S> {
     route: Route<S>,
     topology: Topology,
     prefetch: u16,
     concurrency: usize,
+    max_deliveries: u32,
     shutdown_grace: Duration,
     confirm_timeout: Duration,
+}
+
+/// Which of the runner's two consumers a delivery came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lane {
+    /// The work queue, many deliveries at once.
+    Work,
+    /// The suspect queue, one delivery at a time.
+    Suspect,
 }
 
 impl<S> Runner<S>
@@ -62,13 +94,15 @@ where
     S::Future: Send,
 {
     /// A runner of `route` over `topology`'s work queue. Defaults: prefetch 64, 64 deliveries
-    /// handled at once, 30 s for in-flight deliveries at shutdown, 10 s per publisher confirm.
+    /// handled at once, [`DEFAULT_MAX_DELIVERIES`], 30 s for in-flight deliveries at
+    /// shutdown, 10 s per publisher confirm.
     pub fn new(route: Route<S>, topology: Topology) -> Self {
         Runner {
             route,
             topology,
             prefetch: 64,
             concurrency: 64,
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
             shutdown_grace: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(10),
         }
@@ -83,6 +117,16 @@ where
     /// How many deliveries are handled at once.
     pub fn with_concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// How many times a message may come back unsettled — its consumer died, lost its
+    /// channel, or could not publish its retry copy — before it is dead-lettered with
+    /// [`DeadLetterReason::DeliveryLimit`] (default [`DEFAULT_MAX_DELIVERIES`]; values below
+    /// 1 are read as 1). A message that kills its process therefore runs at most this many
+    /// times. Independent of the route's attempts, which count failures the stack answered.
+    pub fn with_max_deliveries(mut self, max_deliveries: u32) -> Self {
+        self.max_deliveries = max_deliveries.max(1);
         self
     }
 
@@ -107,36 +151,55 @@ where
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await?;
-        let tag = format!("oncely-{}", oncely::Token::random());
-        let consumer = channel
-            .basic_consume(
-                self.topology.queue().into(),
-                tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        let consumer = consume(channel, self.topology.queue()).await?;
         self.run_consumer(channel, consumer, shutdown).await
     }
 
     /// Like [`run`](Runner::run), on a consumer you started yourself on `channel` (with your
     /// own `basic.qos`, consumer tag and arguments). It must consume the topology's work queue
-    /// without `no_ack`; the runner settles every delivery.
+    /// without `no_ack`; the runner settles every delivery. The runner adds its own consumer
+    /// of the suspect queue on `channel`, with prefetch 1.
     pub async fn run_consumer(
         &self,
         channel: &Channel,
-        mut consumer: Consumer,
+        consumer: Consumer,
         shutdown: &CancellationToken,
     ) -> Result<(), Error> {
         // Retry and dead-letter copies are published on this channel and must be confirmed
         // before the original is acked.
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        // Prefetch applies per consumer to the consumers started after it.
+        channel.basic_qos(1, BasicQosOptions::default()).await?;
+        let suspects = consume(channel, &self.topology.suspect_queue()).await?;
+        // When one lane ends (shutdown, a failed channel), the other stops too.
+        let stop = shutdown.child_token();
+        let (work, suspect) = tokio::join!(
+            self.consume_lane(channel, consumer, Lane::Work, &stop),
+            self.consume_lane(channel, suspects, Lane::Suspect, &stop),
+        );
+        work.and(suspect)
+    }
+
+    /// Settles the deliveries of one lane until `stop` is cancelled or the consumer ends,
+    /// then drains what is in flight within the shutdown grace.
+    async fn consume_lane(
+        &self,
+        channel: &Channel,
+        mut consumer: Consumer,
+        lane: Lane,
+        stop: &CancellationToken,
+    ) -> Result<(), Error> {
+        let _stop_the_other_lane = stop.clone().drop_guard();
         let tag = consumer.tag();
-        let permits = Arc::new(Semaphore::new(self.concurrency));
+        let concurrency = match lane {
+            Lane::Work => self.concurrency,
+            Lane::Suspect => 1,
+        };
+        let permits = Arc::new(Semaphore::new(concurrency));
         let mut in_flight = JoinSet::new();
         let ended = loop {
             let next = tokio::select! {
-                () = shutdown.cancelled() => break Ok(()),
+                () = stop.cancelled() => break Ok(()),
                 next = consumer.next() => next,
             };
             match next {
@@ -146,7 +209,7 @@ where
                         .acquire_owned()
                         .await
                         .expect("the semaphore is never closed");
-                    let settle = self.settle_one(channel.clone(), delivery);
+                    let settle = self.settle_one(channel.clone(), delivery, lane);
                     in_flight.spawn(async move {
                         settle.await;
                         drop(permit);
@@ -210,48 +273,51 @@ where
     }
 
     /// Handles one delivery and settles it; never fails: a failed settlement is a `nack`
-    /// back to the queue, or, with the channel gone, a redelivery by the broker.
+    /// back to the queue after [`SETTLE_RETRY_DELAY`], or, with the channel gone, a
+    /// redelivery by the broker.
     fn settle_one(
         &self,
         channel: Channel,
         delivery: AmqpDelivery,
+        lane: Lane,
     ) -> impl Future<Output = ()> + Send + 'static {
         let route = self.route.clone();
         let topology = self.topology.clone();
+        let max_deliveries = self.max_deliveries;
         let confirm_timeout = self.confirm_timeout;
         async move {
-            let converted = to_delivery(&delivery, topology.queue());
-            let attempt = converted.attempt();
-            let outcome = route.handle(converted).await;
-            let settled = match outcome.action() {
-                BrokerAction::Ack => delivery
-                    .acker
-                    .ack(BasicAckOptions::default())
-                    .await
-                    .map(drop)
-                    .map_err(Error::from),
-                BrokerAction::Retry { delay } => {
-                    let queue = topology.retry_queue_for(delay, attempt);
-                    let headers = copy_headers(&delivery, attempt + 1, None);
-                    forward(&channel, &delivery, &queue, headers, confirm_timeout).await
+            let settle = Settle {
+                channel: &channel,
+                delivery: &delivery,
+                topology: &topology,
+                confirm_timeout,
+            };
+            // Every earlier delivery of this message ended unsettled: one in the work queue,
+            // then one per count in the suspect queue.
+            let returns = delivery_count(&delivery);
+            let settled = match lane {
+                Lane::Work if returns > 0 => settle.to_suspects().await,
+                Lane::Suspect if returns + 1 >= max_deliveries => {
+                    let outcome = Outcome::dead_letter(
+                        DeadLetterReason::DeliveryLimit,
+                        format!(
+                            "delivered {} times without being settled: its consumer died, lost its channel \
+                             or could not publish its retry each time",
+                            returns + 1
+                        ),
+                    );
+                    settle.outcome(&outcome, delivery_attempt(&delivery)).await
                 }
-                BrokerAction::DeadLetter => {
-                    let Outcome::DeadLetter(dead) = &outcome else {
-                        unreachable!("dead-letter action")
-                    };
-                    let headers = copy_headers(&delivery, attempt, Some(&dead.to_string()));
-                    forward(
-                        &channel,
-                        &delivery,
-                        &topology.dead_letter_queue(),
-                        headers,
-                        confirm_timeout,
-                    )
-                    .await
+                Lane::Work | Lane::Suspect => {
+                    let converted = to_delivery(&delivery, topology.queue());
+                    let attempt = converted.attempt();
+                    let outcome = route.handle(converted).await;
+                    settle.outcome(&outcome, attempt).await
                 }
             };
             if let Err(error) = settled {
-                tracing::warn!(%error, ?outcome, "could not settle the delivery; returning it to the queue");
+                tracing::warn!(%error, "could not settle the delivery; returning it to the queue");
+                tokio::time::sleep(SETTLE_RETRY_DELAY).await;
                 let requeue = BasicNackOptions {
                     requeue: true,
                     ..BasicNackOptions::default()
@@ -262,10 +328,110 @@ where
     }
 }
 
+/// Starts a consumer of `queue` on `channel` under a fresh tag.
+async fn consume(channel: &Channel, queue: &str) -> Result<Consumer, Error> {
+    let tag = format!("oncely-{}", oncely::Token::random());
+    Ok(channel
+        .basic_consume(
+            queue.into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?)
+}
+
+/// How many times the broker delivered this message before without it being settled.
+fn delivery_count(delivery: &AmqpDelivery) -> u32 {
+    header_u32(delivery, DELIVERY_COUNT_HEADER).unwrap_or(0)
+}
+
+/// The oncely attempt number a delivery carries, 1 when absent.
+fn delivery_attempt(delivery: &AmqpDelivery) -> u32 {
+    header_u32(delivery, ATTEMPT_HEADER).unwrap_or(1)
+}
+
+fn header_u32(delivery: &AmqpDelivery, name: &str) -> Option<u32> {
+    let value = delivery.properties.headers().as_ref()?.inner().get(name)?;
+    integer_of(value).map(|value| u32::try_from(value.max(0)).unwrap_or(u32::MAX))
+}
+
+/// One delivery's settlement with the broker.
+struct Settle<'a> {
+    channel: &'a Channel,
+    delivery: &'a AmqpDelivery,
+    topology: &'a Topology,
+    confirm_timeout: Duration,
+}
+
+impl Settle<'_> {
+    /// Acks, or forwards a copy for a retry or a dead letter and then acks.
+    async fn outcome(&self, outcome: &Outcome, attempt: u32) -> Result<(), Error> {
+        match outcome {
+            Outcome::Processed | Outcome::Duplicate { .. } | Outcome::Stale { .. } => {
+                self.delivery.acker.ack(BasicAckOptions::default()).await?;
+                Ok(())
+            }
+            Outcome::RetryLater(retry) => {
+                // Waiting for another holder is not a failure: it keeps its attempt number.
+                let next = if retry.reason.is_wait() {
+                    attempt
+                } else {
+                    attempt.saturating_add(1)
+                };
+                let queue = self.topology.retry_queue_for(retry.delay, attempt);
+                self.forward(&queue, copy_headers(self.delivery, next, None))
+                    .await
+            }
+            Outcome::DeadLetter(dead) => {
+                let headers = copy_headers(self.delivery, attempt, Some(&dead.to_string()));
+                self.forward(&self.topology.dead_letter_queue(), headers).await
+            }
+        }
+    }
+
+    /// Moves a delivery that came back unsettled to the suspect queue, keeping its attempt.
+    async fn to_suspects(&self) -> Result<(), Error> {
+        let headers = copy_headers(self.delivery, delivery_attempt(self.delivery), None);
+        self.forward(&self.topology.suspect_queue(), headers).await
+    }
+
+    /// Publishes a copy of the delivery to `queue` with `headers`, waits for the broker's
+    /// confirm, then acks the original.
+    async fn forward(&self, queue: &str, headers: FieldTable) -> Result<(), Error> {
+        let properties = self
+            .delivery
+            .properties
+            .clone()
+            .with_headers(headers)
+            .with_delivery_mode(2);
+        publish_confirmed(
+            self.channel,
+            "",
+            queue,
+            &self.delivery.data,
+            properties,
+            self.confirm_timeout,
+        )
+        .await?;
+        self.delivery.acker.ack(BasicAckOptions::default()).await?;
+        Ok(())
+    }
+}
+
 /// The delivery's headers for its copy: the attempt number, the original exchange and
 /// routing key (kept from an earlier copy), and for a dead letter the reason.
 fn copy_headers(delivery: &AmqpDelivery, attempt: u32, reason: Option<&str>) -> FieldTable {
-    let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+    let mut headers = delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default()
+        .inner()
+        .clone();
+    // The broker's count belongs to the delivery, not the copy: a copy is a new message.
+    headers.remove(DELIVERY_COUNT_HEADER);
+    let mut headers = FieldTable::from(headers);
     let mut set = |name: &str, value: AMQPValue| {
         headers.insert(name.into(), value);
     };
@@ -285,25 +451,6 @@ fn copy_headers(delivery: &AmqpDelivery, attempt: u32, reason: Option<&str>) -> 
         );
     }
     headers
-}
-
-/// Publishes a copy of `delivery` to `queue` with `headers`, waits for the broker's
-/// confirm, then acks the original.
-async fn forward(
-    channel: &Channel,
-    delivery: &AmqpDelivery,
-    queue: &str,
-    headers: FieldTable,
-    confirm_timeout: Duration,
-) -> Result<(), Error> {
-    let properties = delivery
-        .properties
-        .clone()
-        .with_headers(headers)
-        .with_delivery_mode(2);
-    publish_confirmed(channel, "", queue, &delivery.data, properties, confirm_timeout).await?;
-    delivery.acker.ack(BasicAckOptions::default()).await?;
-    Ok(())
 }
 
 /// Publishes as mandatory and waits for the broker's confirm (the channel must be in

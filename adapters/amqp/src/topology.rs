@@ -8,18 +8,29 @@ use lapin::types::{AMQPValue, FieldTable};
 
 use crate::error::Error;
 
-/// A work queue with its delayed-retry queues and its dead-letter queue.
+/// A work queue with its delayed-retry queues, its suspect queue and its dead-letter queue.
 ///
 /// - work queue `QUEUE`: where messages are consumed;
 /// - retry queues `QUEUE.retry.DELAYms`, one per delay: a message sent there waits out the
 ///   queue's message TTL and is dead-lettered by the broker back to the work queue (default
 ///   exchange, routing key `QUEUE`) — a delayed retry with no plugin;
+/// - suspect queue `QUEUE.suspect`: messages that came back unsettled — their consumer
+///   died or lost its channel while holding them — handled one at a time, so that a message
+///   that crashes its process is counted alone (see [`Runner`](crate::Runner));
 /// - dead-letter queue `QUEUE.dlq`: messages that can never be processed, with the reason in
 ///   their headers.
 ///
-/// All are durable. [`declare`](Topology::declare) is idempotent as long as the queues were
-/// declared with the same arguments; a queue of the same name with other arguments makes the
-/// broker refuse (`PRECONDITION_FAILED`).
+/// All are durable quorum queues (RabbitMQ 3.10 or later): the broker counts each message's
+/// unsettled deliveries (`x-delivery-count`), which is how a message that kills its
+/// consumer is found, and the retry queues dead-letter *at least once*
+/// (`x-dead-letter-strategy: at-least-once`, `x-overflow: reject-publish`): the broker keeps
+/// a message in the retry queue until the work queue has confirmed it, so a missing or full
+/// work queue delays retries instead of dropping them.
+///
+/// [`declare`](Topology::declare) is idempotent as long as the queues were declared with the
+/// same arguments; a queue of the same name with other arguments (a classic queue declared
+/// by an earlier version) makes the broker refuse (`PRECONDITION_FAILED`): move its messages
+/// and delete it first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     queue: String,
@@ -72,6 +83,11 @@ impl Topology {
         format!("{}.dlq", self.queue)
     }
 
+    /// The suspect queue: messages that came back unsettled, handled one at a time.
+    pub fn suspect_queue(&self) -> String {
+        format!("{}.suspect", self.queue)
+    }
+
     /// The retry queue a message at `attempt` goes to, given the delay its outcome suggests.
     pub fn retry_queue_for(&self, suggested: Option<Duration>, attempt: u32) -> String {
         let last = *self.retry_delays.last().expect("at least one retry delay");
@@ -97,33 +113,35 @@ impl Topology {
             durable: true,
             ..QueueDeclareOptions::default()
         };
-        channel
-            .queue_declare(self.queue.as_str().into(), durable, FieldTable::default())
-            .await?;
+        for queue in [self.queue.clone(), self.suspect_queue(), self.dead_letter_queue()] {
+            channel.queue_declare(queue.into(), durable, quorum()).await?;
+        }
         for delay in &self.retry_delays {
-            let mut arguments = FieldTable::default();
-            arguments.insert(
-                "x-message-ttl".into(),
-                AMQPValue::LongLongInt(delay.as_millis() as i64),
-            );
-            arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
-            arguments.insert(
-                "x-dead-letter-routing-key".into(),
+            let mut arguments = quorum();
+            let mut set = |name: &str, value: AMQPValue| {
+                arguments.insert(name.into(), value);
+            };
+            set("x-message-ttl", AMQPValue::LongLongInt(delay.as_millis() as i64));
+            set("x-dead-letter-exchange", AMQPValue::LongString("".into()));
+            set(
+                "x-dead-letter-routing-key",
                 AMQPValue::LongString(self.queue.as_str().into()),
             );
+            set(
+                "x-dead-letter-strategy",
+                AMQPValue::LongString("at-least-once".into()),
+            );
+            set("x-overflow", AMQPValue::LongString("reject-publish".into()));
             channel
                 .queue_declare(self.retry_queue(*delay).into(), durable, arguments)
                 .await?;
         }
-        channel
-            .queue_declare(self.dead_letter_queue().into(), durable, FieldTable::default())
-            .await?;
         Ok(())
     }
 
     /// Deletes every queue of the topology, with the messages in them (tests, teardown).
     pub async fn delete(&self, channel: &Channel) -> Result<(), Error> {
-        let mut queues = vec![self.queue.clone(), self.dead_letter_queue()];
+        let mut queues = vec![self.queue.clone(), self.suspect_queue(), self.dead_letter_queue()];
         queues.extend(self.retry_delays.iter().map(|delay| self.retry_queue(*delay)));
         for queue in queues {
             channel
@@ -132,6 +150,12 @@ impl Topology {
         }
         Ok(())
     }
+}
+
+fn quorum() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    arguments
 }
 
 #[cfg(test)]
