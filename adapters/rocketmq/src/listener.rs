@@ -1,5 +1,6 @@
 //! Listener wrappers: a route's stack behind RocketMQ's listener traits.
 
+use std::future::Future;
 use std::time::Duration;
 
 use oncely::{BoxError, BrokerAction, Envelope, Outcome, Route};
@@ -8,7 +9,7 @@ use rocketmq_client_rust::{
     ConsumeOrderlyStatus, MessageListenerConcurrently, MessageListenerOrderly,
 };
 use rocketmq_model::common::message::message_ext::MessageExt;
-use tokio::runtime::Handle;
+use tokio::runtime::{Handle, RuntimeFlavor};
 use tower_service::Service;
 
 use crate::convert::to_delivery;
@@ -33,10 +34,13 @@ use crate::dead_letter::DeadLetterTopic;
 /// reason. Waiting for another consumer of the same key never exhausts the route's attempts,
 /// but each such retry counts toward the broker's maxReconsumeTimes.
 ///
-/// RocketMQ's client calls listeners synchronously on its own blocking threads. The stack
-/// runs on the Tokio runtime given here — the one your Redis and PostgreSQL connections live
-/// on — with [`Handle::block_on`]; the listener must therefore not be called from inside
-/// an async task, which the client never does.
+/// RocketMQ's client calls listeners synchronously, usually on its own blocking threads,
+/// but on an async worker for a message sent to the consumer directly (the broker's
+/// consume-message-directly request). The stack runs on the Tokio runtime given here — the
+/// one your Redis and PostgreSQL connections live on — with [`Handle::block_on`], from
+/// inside [`block_in_place`](tokio::task::block_in_place) when the call comes on a
+/// multi-threaded runtime's worker, or from a helper thread on any other runtime's, so it
+/// works on either kind of thread.
 pub struct ConcurrentListener<S> {
     settler: Settler<S>,
 }
@@ -94,7 +98,7 @@ where
         _context: &ConsumeConcurrentlyContext,
     ) -> ClientResult<ConsumeConcurrentlyStatus> {
         let settler = &self.settler;
-        let retry = settler.runtime.block_on(async {
+        let retry = block_on(&settler.runtime, async {
             let mut retry = false;
             for message in messages {
                 retry |= matches!(settler.settle(message).await, Settled::Retry { .. });
@@ -121,7 +125,7 @@ where
         context: &mut ConsumeOrderlyContext,
     ) -> ClientResult<ConsumeOrderlyStatus> {
         let settler = &self.settler;
-        let retry = settler.runtime.block_on(async {
+        let retry = block_on(&settler.runtime, async {
             for message in messages {
                 if let Settled::Retry { delay } = settler.settle(message).await {
                     return Some(delay);
@@ -139,6 +143,28 @@ where
                 ConsumeOrderlyStatus::SuspendCurrentQueueAMoment
             }
         })
+    }
+}
+
+/// Runs `future` to its end on `runtime` from a synchronous listener call, whatever thread
+/// the client calls from. `Handle::block_on` panics on a thread that already runs async
+/// code ("Cannot start a runtime from within a runtime").
+fn block_on<F>(runtime: &Handle, future: F) -> F::Output
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    match Handle::try_current().map(|current| current.runtime_flavor()) {
+        // The client's blocking threads: no runtime on this one.
+        Err(_) => runtime.block_on(future),
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| runtime.block_on(future)),
+        // A single-threaded runtime's only worker cannot give its place to blocking code.
+        Ok(_) => std::thread::scope(|scope| {
+            scope
+                .spawn(|| runtime.block_on(future))
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        }),
     }
 }
 
@@ -194,5 +220,70 @@ where
             // never acknowledged.
             BrokerAction::DeadLetter => Settled::Retry { delay: None },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use oncely::{HandlerError, KeyExtractor, handler_fn};
+    use rocketmq_client_rust::DefaultMQProducer;
+    use rocketmq_model::common::message::message_queue::MessageQueue;
+    use rocketmq_model::common::message::message_single::Message;
+
+    use super::*;
+    use crate::runtime::OwnedClientRuntime;
+
+    fn message() -> MessageExt {
+        let mut ext = MessageExt::default();
+        ext.set_message_inner(
+            Message::builder()
+                .topic("orders")
+                .keys(vec!["order_1".into()])
+                .body_slice(b"{}")
+                .build_unchecked(),
+        );
+        ext
+    }
+
+    /// Calls the orderly listener the way the client's consume-message-directly path does:
+    /// on an async worker of a multi-threaded runtime, and on a plain thread.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_orderly_listener_runs_on_an_async_worker_and_on_a_plain_thread() {
+        let client = OwnedClientRuntime::new("listener-test").unwrap();
+        let producer = DefaultMQProducer::builder(client.client_runtime()).build();
+        let runs = Arc::new(AtomicU32::new(0));
+        let counted = runs.clone();
+        let handler = handler_fn(move |_envelope| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), HandlerError>(()) }
+        });
+        let route = Route::new("orders", KeyExtractor::broker_key(), handler);
+        let listener = Arc::new(OrderlyListener::new(
+            route,
+            Handle::current(),
+            DeadLetterTopic::new(Arc::new(producer), "orders_dead_letters"),
+        ));
+        let consume = |listener: &OrderlyListener<_>| {
+            let message = message();
+            let mut context = ConsumeOrderlyContext::new(MessageQueue::default());
+            listener.consume_message(&[&message], &mut context).unwrap()
+        };
+
+        let on_worker = tokio::spawn({
+            let listener = listener.clone();
+            async move { consume(&listener) }
+        });
+        assert!(matches!(on_worker.await.unwrap(), ConsumeOrderlyStatus::Success));
+        let on_thread = std::thread::spawn({
+            let listener = listener.clone();
+            move || consume(&listener)
+        });
+        assert!(matches!(on_thread.join().unwrap(), ConsumeOrderlyStatus::Success));
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        drop(listener);
+        client.shutdown().await;
     }
 }
