@@ -396,3 +396,34 @@ async fn a_redis_restart_mid_run_applies_no_effect_twice_and_acks_nothing_early(
         assert_eq!(record.status, RecordStatus::Success);
     }
 }
+
+/// Two consumer "processes" (routes) share one Redis delivery counter: deliveries cut off in
+/// either count toward the key's limit, as crashes of either process would.
+#[tokio::test]
+async fn the_redis_delivery_counter_dead_letters_a_key_that_kills_every_consumer() {
+    let prefix = unique("oncely-test-deliveries");
+    let connection = redis_connection(&redis_url()).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let route = |counted: Arc<AtomicUsize>| {
+        let handler = handler_fn(move |_envelope: Envelope| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Result<(), HandlerError>>()
+        });
+        Route::new("orders", order_key(), handler).with_delivery_limit(
+            oncely::deliveries::RedisDeliveryCounter::new(connection.clone()).with_prefix(prefix.as_str()),
+            3,
+        )
+    };
+    let (first, second) = (route(runs.clone()), route(runs.clone()));
+    for route in [&first, &second, &first] {
+        let cut = tokio::time::timeout(Duration::from_millis(100), route.handle(order("poison", "A"))).await;
+        assert!(cut.is_err(), "the delivery hangs until its consumer dies");
+    }
+    let outcome = second.handle(order("poison", "A")).await;
+    assert_eq!(
+        outcome.dead_letter_reason(),
+        Some(oncely::DeadLetterReason::DeliveryLimit),
+        "{outcome}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}

@@ -70,6 +70,7 @@
 //! # }
 //! ```
 
+pub mod deliveries;
 mod envelope;
 mod error;
 pub mod flag;

@@ -10,7 +10,8 @@ use futures_util::FutureExt;
 use tower_service::Service;
 use tracing::Instrument;
 
-use crate::envelope::{Delivery, Envelope};
+use crate::deliveries::{DeliveryCounter, DeliveryLimit};
+use crate::envelope::{BusinessKey, Delivery, Envelope};
 use crate::error::{BoxError, Error};
 use crate::key::KeyExtractor;
 use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
@@ -34,6 +35,7 @@ pub struct Route<S> {
     key: KeyExtractor,
     max_attempts: u32,
     max_body_len: usize,
+    delivery_limit: Option<DeliveryLimit>,
     stack: S,
 }
 
@@ -44,6 +46,7 @@ impl<S: Clone> Clone for Route<S> {
             key: self.key.clone(),
             max_attempts: self.max_attempts,
             max_body_len: self.max_body_len,
+            delivery_limit: self.delivery_limit.clone(),
             stack: self.stack.clone(),
         }
     }
@@ -56,6 +59,7 @@ impl<S> fmt::Debug for Route<S> {
             .field("key", &self.key)
             .field("max_attempts", &self.max_attempts)
             .field("max_body_len", &self.max_body_len)
+            .field("delivery_limit", &self.delivery_limit)
             .finish_non_exhaustive()
     }
 }
@@ -74,8 +78,19 @@ where
             key,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             max_body_len: DEFAULT_MAX_BODY_LEN,
+            delivery_limit: None,
             stack,
         }
+    }
+
+    /// Counts each key's unsettled deliveries in `counter` and dead-letters a key that
+    /// started `max` times without the stack ever answering — a message that kills its
+    /// consumer process — with [`DeadLetterReason::DeliveryLimit`]; keys that come back
+    /// unsettled run one at a time ([`crate::deliveries`]). For brokers that do not count
+    /// redeliveries themselves (RocketMQ); the AMQP runner uses RabbitMQ's own count.
+    pub fn with_delivery_limit(mut self, counter: impl DeliveryCounter, max: u32) -> Self {
+        self.delivery_limit = Some(DeliveryLimit::new(counter, max));
+        self
     }
 
     /// Sets the largest body, in bytes, the route accepts (default
@@ -153,6 +168,19 @@ where
             Err(error) => return Outcome::dead_letter(DeadLetterReason::InvalidKey, error.to_string()),
         };
         tracing::Span::current().record("key", key.as_str());
+        match &self.delivery_limit {
+            None => self.call_stack(key, delivery).await,
+            Some(limit) => {
+                let counted = key.clone();
+                limit
+                    .run(&counted, async || self.call_stack(key, delivery).await)
+                    .await
+            }
+        }
+    }
+
+    /// The stack's answer for `key`, with its errors and panics turned into outcomes.
+    async fn call_stack(&self, key: BusinessKey, delivery: Delivery) -> Outcome {
         let failed = |error: S::Error| {
             let error: BoxError = error.into();
             Outcome::retry_later(RetryReason::HandlerFailed, error.to_string(), None)

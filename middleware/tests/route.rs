@@ -86,3 +86,62 @@ async fn waiting_for_another_delivery_never_exhausts_attempts() {
         Some(RetryReason::InFlight(oncely::Tier::Flag))
     );
 }
+
+/// A delivery whose consumer dies mid-handler, as far as the route can tell: its future is
+/// dropped before the stack answers.
+async fn crash<S>(route: &Route<S>, id: &str) -> Option<Outcome>
+where
+    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    tokio::time::timeout(Duration::from_millis(50), route.handle(order(id, "A")))
+        .await
+        .ok()
+}
+
+#[tokio::test]
+async fn a_key_that_never_settles_is_dead_lettered_at_the_delivery_limit_and_answered_keys_reset() {
+    let runs = std::sync::Arc::new(std::sync::Mutex::new(
+        std::collections::HashMap::<String, u32>::new(),
+    ));
+    let counted = runs.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        let run = {
+            let mut runs = counted.lock().unwrap();
+            let run = runs.entry(envelope.key().to_string()).or_default();
+            *run += 1;
+            *run
+        };
+        async move {
+            let key = envelope.key().as_str();
+            if key == "poison" || (key == "once" && run == 1) {
+                std::future::pending::<()>().await;
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), handler)
+        .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 3);
+
+    for _ in 0..3 {
+        assert_eq!(
+            crash(&route, "poison").await,
+            None,
+            "the crash cuts the delivery off"
+        );
+    }
+    let last = route.handle(order("poison", "A")).await;
+    assert_eq!(
+        last.dead_letter_reason(),
+        Some(DeadLetterReason::DeliveryLimit),
+        "{last}"
+    );
+    assert_eq!(runs.lock().unwrap()["poison"], 3, "never started a fourth time");
+
+    // A key caught in one crash runs again (alone, as a suspect) and, once answered, starts
+    // from zero.
+    assert_eq!(crash(&route, "once").await, None);
+    assert_eq!(route.handle(order("once", "A")).await, Outcome::Processed);
+    assert_eq!(runs.lock().unwrap()["once"], 2);
+}

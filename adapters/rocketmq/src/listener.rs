@@ -28,6 +28,12 @@ use crate::dead_letter::DeadLetterTopic;
 /// back; the ones already done then answer `Duplicate`. A dead letter written for such a
 /// batch may be written again when the batch returns.
 ///
+/// RocketMQ counts reconsume times only for messages sent back for a retry: a consumer that
+/// dies while holding a message (OOM, abort, SIGKILL) gets it again with the same count, so
+/// a message that crashes its process would loop forever. Give the route a
+/// [delivery limit](Route::with_delivery_limit) on a shared counter (Redis) to dead-letter
+/// it after a bounded number of crashes.
+///
 /// Set the route's [`max attempts`](Route::with_max_attempts) at or below the consumer's
 /// maxReconsumeTimes + 1 (16 + 1 by default) so that a message failing for good reaches the
 /// dead-letter topic with `attempts_exhausted` rather than the broker's `%DLQ%` without a

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use oncely::deliveries::RedisDeliveryCounter;
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::postgres::{Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
@@ -116,18 +117,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let stack = ServiceBuilder::new()
         .layer(FlagLayer::new(
-            RedisFlagStore::new(redis).with_prefix("rocketmq-points"),
+            RedisFlagStore::new(redis.clone()).with_prefix("rocketmq-points"),
             Duration::from_secs(24 * 3600),
         ))
         .layer(PgTransactionalLayer::new(pool.clone(), records))
         .service(handler_fn(credit_points));
     // KEYS carry the order id; the namespace keeps this operation's keys apart from other
     // consumers of the same payments (`order_1:credit_points`).
+    // RocketMQ does not count a delivery whose consumer died: the route does, so a message
+    // that crashes this process every time is dead-lettered after five tries.
     let route = Route::new(
         "credit_points",
         KeyExtractor::broker_key().with_namespace("credit_points"),
         stack,
-    );
+    )
+    .with_delivery_limit(RedisDeliveryCounter::new(redis).with_prefix("rocketmq-points"), 5);
 
     let (runtime, mut producer) = start_producer("rocketmq_points_dead_letters").await?;
     // The broker would create the dead-letter topic on its first message, but the reader

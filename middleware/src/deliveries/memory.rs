@@ -1,0 +1,44 @@
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::store::DeliveryCounter;
+use crate::envelope::BusinessKey;
+use crate::error::Error;
+use crate::memory::{Expiring, Shared};
+use crate::service::BoxFuture;
+
+/// An in-memory [`DeliveryCounter`] for tests. It dies with the process, so it cannot see
+/// the crash it exists for: use [`RedisDeliveryCounter`](crate::deliveries::RedisDeliveryCounter)
+/// (feature `redis`) between processes. Clones share one map.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryDeliveryCounter {
+    counts: Shared<Expiring<BusinessKey, u32>>,
+}
+
+impl MemoryDeliveryCounter {
+    /// An empty counter.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl DeliveryCounter for MemoryDeliveryCounter {
+    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, Error>> {
+        let count = self.counts.lock().get(key, Instant::now()).copied().unwrap_or(0);
+        Box::pin(async move { Ok(count) })
+    }
+
+    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), Error>> {
+        let now = Instant::now();
+        let mut counts = self.counts.lock();
+        let count = counts.get(key, now).copied().unwrap_or(0);
+        counts.insert(key.clone(), count.saturating_add(1), now + ttl);
+        Box::pin(async { Ok(()) })
+    }
+
+    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+        self.counts.lock().remove(key);
+        Box::pin(async { Ok(()) })
+    }
+}

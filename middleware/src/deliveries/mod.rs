@@ -1,0 +1,100 @@
+//! Counting unsettled deliveries, for brokers that do not: finds a message that kills its
+//! consumer process every time (OOM, abort, SIGKILL, a fault in a C library).
+//!
+//! A crash never reaches the stack, so no attempt counter sees it: the broker just delivers
+//! the message again. RabbitMQ's quorum queues count such redeliveries themselves (the AMQP
+//! adapter uses `x-delivery-count`). RocketMQ does not — a consumer that dies before
+//! committing its offset gets the message again with the same reconsume times — so its
+//! adapter, and any other, can ask the [`Route`](crate::Route) to count with
+//! [`Route::with_delivery_limit`](crate::Route::with_delivery_limit):
+//!
+//! - before the stack runs, the key's *unsettled starts* are read: a key that started
+//!   before and never settled is a **suspect**;
+//! - suspects run one at a time in the process, so a crash is counted against the delivery
+//!   that caused it and not against every delivery that happened to run beside it;
+//! - the start is counted, the stack runs, and whatever it answers, the count is cleared:
+//!   an answered delivery was not a crash;
+//! - a key with `max` unsettled starts is dead-lettered
+//!   ([`DeadLetterReason::DeliveryLimit`](crate::DeadLetterReason::DeliveryLimit)) without
+//!   running again.
+//!
+//! Counting fails open: when the store cannot answer, the delivery runs uncounted, since the
+//! guard only bounds a rare loop and must not stop every delivery while Redis is down.
+//! Costs three store round trips per delivery (read, count, clear).
+
+#[cfg(feature = "memory")]
+mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+#[cfg(feature = "memory")]
+pub use memory::MemoryDeliveryCounter;
+#[cfg(feature = "redis")]
+pub use redis::RedisDeliveryCounter;
+pub use store::DeliveryCounter;
+use tokio::sync::Mutex;
+
+use crate::envelope::BusinessKey;
+use crate::outcome::{DeadLetterReason, Outcome};
+
+/// How long an unsettled count is kept: longer than any redelivery takes to come back.
+const COUNT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The route's guard: its counter, its limit and the queue suspects wait in.
+#[derive(Clone)]
+pub(crate) struct DeliveryLimit {
+    counter: Arc<dyn DeliveryCounter>,
+    max: u32,
+    suspects: Arc<Mutex<()>>,
+}
+
+impl DeliveryLimit {
+    pub(crate) fn new(counter: impl DeliveryCounter, max: u32) -> Self {
+        DeliveryLimit {
+            counter: Arc::new(counter),
+            max: max.max(1),
+            suspects: Arc::default(),
+        }
+    }
+
+    /// Runs `handle` for `key` under the guard (see the module docs).
+    pub(crate) async fn run(&self, key: &BusinessKey, handle: impl AsyncFnOnce() -> Outcome) -> Outcome {
+        let unsettled = match self.counter.unsettled(key).await {
+            Ok(unsettled) => unsettled,
+            Err(error) => {
+                tracing::warn!(%key, %error, "delivery counter failed; running uncounted");
+                return handle().await;
+            }
+        };
+        let _alone = match unsettled {
+            0 => None,
+            _ => Some(self.suspects.lock().await),
+        };
+        if unsettled >= self.max {
+            return Outcome::dead_letter(
+                DeadLetterReason::DeliveryLimit,
+                format!("started {unsettled} times without being settled: its consumer died each time"),
+            );
+        }
+        if let Err(error) = self.counter.start(key, COUNT_TTL).await {
+            tracing::warn!(%key, %error, "delivery counter failed; running uncounted");
+        }
+        let outcome = handle().await;
+        if let Err(error) = self.counter.settle(key).await {
+            tracing::warn!(%key, %error, "delivery counter failed to clear; the count expires");
+        }
+        outcome
+    }
+}
+
+impl std::fmt::Debug for DeliveryLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeliveryLimit")
+            .field("max", &self.max)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,22 @@
+use std::time::Duration;
+
+use crate::envelope::BusinessKey;
+use crate::error::Error;
+use crate::service::BoxFuture;
+
+/// A backend for the [delivery limit](crate::deliveries): per key, how many times a delivery
+/// started without being settled. Shared by every consumer process of a route, so a crash
+/// in one is seen by the next.
+///
+/// Object-safe (boxed futures), so a [`Route`](crate::Route) holds any counter without a
+/// type parameter.
+pub trait DeliveryCounter: Send + Sync + 'static {
+    /// How many unsettled starts `key` has (0 when none).
+    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, Error>>;
+
+    /// Counts one more start of `key`, kept for `ttl` after the last one.
+    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), Error>>;
+
+    /// Forgets `key`'s starts: its delivery was answered.
+    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>>;
+}
