@@ -280,3 +280,70 @@ async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
         "no record was written or noted"
     );
 }
+
+#[tokio::test]
+async fn a_handler_that_keeps_its_transaction_past_its_answer_commits_nothing() {
+    let (schema, pool) = stock_schema(2).await;
+    let kept: Arc<std::sync::Mutex<Option<PgTransaction>>> = Arc::default();
+    let keeper = kept.clone();
+    let stack = ServiceBuilder::new()
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler_fn(move |envelope: Envelope| {
+            let keeper = keeper.clone();
+            async move {
+                insert_stock_move(&envelope).await?;
+                // E.g. handed to a task that writes later, outside the record.
+                *keeper.lock().unwrap() = Some(the_transaction(&envelope));
+                Ok::<(), HandlerError>(())
+            }
+        }));
+    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcome = route.handle(order("o-1")).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{outcome}"
+    );
+    assert_eq!(moves_of(&schema, "o-1").await, 0);
+    drop(kept.lock().unwrap().take());
+}
+
+#[tokio::test]
+async fn a_commit_the_server_refuses_is_retried_and_its_connection_reused() {
+    let (schema, pool) = stock_schema(1).await;
+    schema
+        .execute(
+            "CREATE TABLE ledger (entry TEXT NOT NULL, CONSTRAINT one_entry UNIQUE (entry) DEFERRABLE INITIALLY DEFERRED)",
+        )
+        .await;
+    let stack = ServiceBuilder::new()
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler_fn(|envelope: Envelope| async move {
+            insert_stock_move(&envelope).await?;
+            let entries = if envelope.key().as_str() == "o-twice" {
+                2
+            } else {
+                1
+            };
+            for _ in 0..entries {
+                the_transaction(&envelope)
+                    .client()
+                    .execute(
+                        "INSERT INTO ledger (entry) VALUES ($1)",
+                        &[&envelope.key().as_str()],
+                    )
+                    .await?;
+            }
+            Ok::<(), HandlerError>(())
+        }));
+    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcome = route.handle(order("o-twice")).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{outcome}"
+    );
+    assert!(outcome.to_string().contains("commit was refused"), "{outcome}");
+    assert_eq!(moves_of(&schema, "o-twice").await, 0);
+    assert_eq!(route.handle(order("o-once")).await, Outcome::Processed);
+}

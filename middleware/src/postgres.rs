@@ -9,6 +9,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use deadpool_postgres;
+use deadpool_postgres::tokio_postgres::NoTls;
 use deadpool_postgres::tokio_postgres::types::ToSql;
 use deadpool_postgres::{GenericClient, Object, Pool};
 
@@ -114,14 +115,18 @@ pub async fn migrate_state(pool: &Pool, table: &Table) -> Result<(), Error> {
 }
 
 async fn run_migration(pool: &Pool, sql: &str, tier: Tier) -> Result<(), Error> {
-    let client = pool.get().await.map_err(|error| Error::store(tier, error))?;
+    let checkout = Checkout::get(pool, tier).await?;
     // Concurrent `CREATE ... IF NOT EXISTS` can still collide in the catalog; the advisory
     // lock makes migrating consumers take turns.
     let script = format!("BEGIN; SELECT pg_advisory_xact_lock(hashtext('oncely.migrate')); {sql}; COMMIT;");
-    client
+    checkout
+        .client()
         .batch_execute(&script)
         .await
-        .map_err(|error| Error::store(tier, error))
+        .map_err(store_error(tier))?;
+    // Only now: a failure may have left the transaction open.
+    checkout.mark_clean();
+    Ok(())
 }
 
 /// A business table whose rows carry a status and a version, for idempotent state changes
@@ -211,7 +216,8 @@ async fn changed_one(
 /// Dropped without [`mark_clean`](Checkout::mark_clean) — a future dropped by a timeout or
 /// a shutdown, a panic, an error that left the transaction's state unknown — the connection
 /// is taken out of the pool and closed, which makes the server roll back whatever it had
-/// open. deadpool's default recycling only checks that a connection is not closed, so
+/// open, and the statement it may still be running is cancelled: the server would otherwise
+/// finish it, holding its row and index locks, before it noticed the closed connection. deadpool's default recycling only checks that a connection is not closed, so
 /// returning such a connection would let the next user's `BEGIN` run inside the abandoned
 /// transaction and its `COMMIT` commit the abandoned writes.
 pub(crate) struct Checkout {
@@ -258,6 +264,14 @@ impl Drop for Checkout {
         if let Some(object) = self.object.take()
             && !self.clean.load(Ordering::Acquire)
         {
+            let cancel = object.cancel_token();
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    // Over TLS-only servers this fails; closing the connection still ends the
+                    // transaction once the statement is done.
+                    let _ = cancel.cancel_query(NoTls).await;
+                });
+            }
             // Detached from the pool, the client is dropped here and its connection closed.
             drop(Object::take(object));
         }

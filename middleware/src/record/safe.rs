@@ -11,24 +11,25 @@ use tower_service::Service;
 /// A flag, a state guard, a three-step record or a second transactional record *inside* the
 /// transactional record would write "done" (or the new state) on its own connection or
 /// server before the record's `COMMIT`; if that commit then fails, the delivery's retry is
-/// answered as a duplicate (or stale) and the effect is lost. So
+/// answered as a duplicate (or stale) and the effect is lost. A lock inside it would be
+/// released before the `COMMIT`, so the entity's next holder could read what was there
+/// before it, and its fencing token would not reach the record's claim. So
 /// [`PgTransactionalLayer`](crate::record::PgTransactionalLayer) only wraps services that
 /// implement this trait, and such an order does not compile.
 ///
-/// Implemented for the handler ([`HandlerFn`](crate::HandlerFn)), the lock and pre-filter
-/// tiers and the telemetry wrappers around them, and tower's `Timeout`. Wrap any other
+/// Implemented for the handler ([`HandlerFn`](crate::HandlerFn)), the pre-filter tier and
+/// the telemetry wrappers around them, and tower's `Timeout`. Wrap any other
 /// service you have checked (a `tower::service_fn`, a boxed service) in
 /// [`AssertTransactionSafe`].
 #[diagnostic::on_unimplemented(
     message = "`{Self}` may not run inside the transactional record's transaction",
     label = "the transactional record wraps this service",
-    note = "a flag or state guard inside the transactional record marks done before COMMIT, so a failed commit would lose the message: put them in front of PgTransactionalLayer",
+    note = "a flag or state guard inside the transactional record marks done before COMMIT, so a failed commit would lose the message, and a lock there is released before COMMIT: put them in front of PgTransactionalLayer",
     note = "for a service of your own that writes nothing outside the transaction, wrap it in `oncely::record::AssertTransactionSafe`"
 )]
 pub trait TransactionSafe {}
 
 impl<F> TransactionSafe for crate::HandlerFn<F> {}
-impl<S: TransactionSafe, St> TransactionSafe for crate::lock::LockService<S, St> {}
 #[cfg(feature = "prefilter")]
 impl<S: TransactionSafe, F> TransactionSafe for crate::prefilter::PreFilterService<S, F> {}
 impl<S: TransactionSafe> TransactionSafe for crate::telemetry::Measured<S> {}

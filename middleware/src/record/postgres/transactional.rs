@@ -275,28 +275,54 @@ async fn begin(config: &PgTransactionalLayer, request: &ClaimRequest) -> Result<
 /// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
 /// connection lost, when nobody knows; the redelivery then finds out from the record).
 async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
-    match transaction.client().batch_execute(COMMIT_CHECKED).await {
+    // The envelope, and every handle to the transaction in it, is gone once the stack has
+    // answered; a handle still alive (kept in a spawned task, say) could write after the
+    // commit, outside the record.
+    if Arc::strong_count(&transaction) > 1 {
+        end(transaction, "ROLLBACK").await;
+        return Err(Outcome::retry_later(
+            RetryReason::HandlerFailed,
+            "nothing was committed: the handler kept its PgTransaction after answering",
+            None,
+        ));
+    }
+    let error = match transaction.client().batch_execute(COMMIT_CHECKED).await {
         Ok(()) => {
             transaction.mark_clean();
-            Ok(())
+            return Ok(());
         }
-        Err(error)
-            if error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION)
-                || error.code() == Some(&SqlState::NO_ACTIVE_SQL_TRANSACTION) =>
-        {
-            end(transaction, "ROLLBACK").await;
-            Err(Outcome::retry_later(
-                RetryReason::HandlerFailed,
-                format!(
-                    "nothing was committed: a statement of the handler failed and aborted the transaction \
-                     (or the handler ended it itself) although the handler answered success: {error}"
-                ),
-                None,
-            ))
-        }
-        // Dropping the connection unmarked closes it: its state is unknown.
-        Err(error) => Err(unavailable(format!("commit failed: {error}"))),
+        Err(error) => error,
+    };
+    let Some(code) = error.code() else {
+        // Dropping the connection unmarked closes it: the commit's fate is unknown.
+        return Err(unavailable(format!("commit failed: {error}")));
+    };
+    if code == &SqlState::IN_FAILED_SQL_TRANSACTION || code == &SqlState::NO_ACTIVE_SQL_TRANSACTION {
+        end(transaction, "ROLLBACK").await;
+        return Err(Outcome::retry_later(
+            RetryReason::HandlerFailed,
+            format!(
+                "nothing was committed: a statement of the handler failed and aborted the transaction \
+                 (or the handler ended it itself) although the handler answered success: {error}"
+            ),
+            None,
+        ));
     }
+    // The server refused the COMMIT itself and rolled the transaction back; the session is
+    // idle again (or closed, which the pool notices).
+    transaction.mark_clean();
+    let reason = match code.code().get(..2) {
+        // Serialization failure, deadlock: another transaction won; trying again may pass.
+        Some("40") => RetryReason::Conflict(Tier::Record),
+        // A deferred constraint of the handler's writes.
+        Some("23") => RetryReason::HandlerFailed,
+        _ => RetryReason::StoreUnavailable(Tier::Record),
+    };
+    Err(Outcome::retry_later(
+        reason,
+        format!("the commit was refused, nothing was committed: {error}"),
+        None,
+    ))
 }
 
 /// Ends the transaction with `statement`; the connection goes back to the pool only if that
