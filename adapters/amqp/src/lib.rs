@@ -33,7 +33,7 @@ pub use error::Error;
 pub use producer::{DEFAULT_KEY_HEADER, Producer};
 pub use runner::{
     ATTEMPTS_HEADER, DEFAULT_MAX_DELIVERIES, ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER,
-    REASON_HEADER, Runner, SETTLE_RETRY_DELAY,
+    REASON_HEADER, RETURNS_HEADER, Runner, SETTLE_RETRY_DELAY,
 };
 pub use topology::Topology;
 

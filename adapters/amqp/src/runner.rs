@@ -41,8 +41,15 @@ pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
 pub const SETTLE_RETRY_DELAY: Duration = Duration::from_secs(1);
 
 /// The header quorum queues put on a message they deliver again: how many times it came
-/// back unsettled.
+/// back unsettled to this queue.
 const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
+
+/// Header on the runner's copies (retry, suspect, dead letter): how many times the message
+/// came back unsettled before, in any of the topology's queues. The broker's own count
+/// starts again with every copy; this one carries it across retry hops, so a message that
+/// crashes its consumer only after waiting (for a flag or lock its crash left behind)
+/// still reaches the limit.
+pub const RETURNS_HEADER: &str = "x-oncely-returns";
 
 /// Runs a route's stack over a RabbitMQ queue: the consumer loop you would write by hand,
 /// with the acks decided by the stack's [`Outcome`]s.
@@ -54,20 +61,25 @@ const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 /// | dead letter | publishes a copy to the dead-letter queue with the reason headers, waits for the confirm, then acks |
 ///
 /// A delivery is acked only after the stack answered for it and, for a retry or a dead
-/// letter, only after the broker confirmed the copy. If that publish fails (no queue takes
-/// it, no confirm in time), the delivery goes back to its queue after
+/// letter, only after the broker confirmed the copy. A copy the broker did not confirm (a
+/// memory alarm) is published again in place for about 15 s, without running the stack
+/// again; if it still fails, or no queue takes it, the delivery goes back to its queue after
 /// [`SETTLE_RETRY_DELAY`], which counts as an unsettled delivery (below). So a message is
 /// never lost between the two, and a broker that refuses copies gets no hot loop.
 ///
 /// **Crashes and panics.** A panic in the stack is an outcome like any other failure
 /// ([`Route::handle`]). A consumer process that dies (OOM, abort, SIGKILL, a fault in a C
 /// library) leaves its deliveries unacked, and the broker delivers them again with
-/// `x-delivery-count`. Such a delivery is not run among the others: it is moved to the
-/// topology's suspect queue, which the runner consumes one message at a time (prefetch 1),
-/// so a crash there is counted against the message that caused it and not against the
-/// ones that happened to be in flight beside it. A message that came back unsettled
-/// [`max_deliveries`](Runner::with_max_deliveries) times is dead-lettered with
-/// [`DeadLetterReason::DeliveryLimit`] without running again.
+/// `x-delivery-count`. Such a delivery — and every later copy of it, which carries the count
+/// in [`RETURNS_HEADER`] — is not run among the others: it is moved to the topology's
+/// suspect queue, which the runner consumes one message at a time (prefetch 1), and a
+/// suspect runs alone in the process (it waits for the deliveries in flight and holds back
+/// new ones). So a crash while a suspect runs is counted against that message, not against
+/// the ones that happened to be in flight beside it; a message that is merely caught in
+/// another's crash comes back once and then runs alone. A message that came back unsettled
+/// [`max_deliveries`](Runner::with_max_deliveries) times — crashes, lost channels, or copies
+/// the broker kept refusing — is dead-lettered with [`DeadLetterReason::DeliveryLimit`]
+/// without running again.
 pub struct Runner<S> {
     route: Route<S>,
     topology: Topology,
@@ -173,9 +185,12 @@ where
         let suspects = consume(channel, &self.topology.suspect_queue()).await?;
         // When one lane ends (shutdown, a failed channel), the other stops too.
         let stop = shutdown.child_token();
+        // One pool of permits for both lanes: a suspect takes them all, so it runs alone and
+        // a crash while it runs is its own.
+        let permits = Arc::new(Semaphore::new(self.concurrency));
         let (work, suspect) = tokio::join!(
-            self.consume_lane(channel, consumer, Lane::Work, &stop),
-            self.consume_lane(channel, suspects, Lane::Suspect, &stop),
+            self.consume_lane(channel, consumer, Lane::Work, &permits, &stop),
+            self.consume_lane(channel, suspects, Lane::Suspect, &permits, &stop),
         );
         work.and(suspect)
     }
@@ -187,15 +202,15 @@ where
         channel: &Channel,
         mut consumer: Consumer,
         lane: Lane,
+        permits: &Arc<Semaphore>,
         stop: &CancellationToken,
     ) -> Result<(), Error> {
         let _stop_the_other_lane = stop.clone().drop_guard();
         let tag = consumer.tag();
-        let concurrency = match lane {
-            Lane::Work => self.concurrency,
-            Lane::Suspect => 1,
+        let permits_per_delivery = match lane {
+            Lane::Work => 1,
+            Lane::Suspect => u32::try_from(self.concurrency).unwrap_or(u32::MAX),
         };
-        let permits = Arc::new(Semaphore::new(concurrency));
         let mut in_flight = JoinSet::new();
         let ended = loop {
             let next = tokio::select! {
@@ -206,7 +221,7 @@ where
                 Some(Ok(delivery)) => {
                     let permit = permits
                         .clone()
-                        .acquire_owned()
+                        .acquire_many_owned(permits_per_delivery)
                         .await
                         .expect("the semaphore is never closed");
                     let settle = self.settle_one(channel.clone(), delivery, lane);
@@ -292,39 +307,55 @@ where
                 topology: &topology,
                 confirm_timeout,
             };
-            // Every earlier delivery of this message ended unsettled: one in the work queue,
-            // then one per count in the suspect queue.
-            let returns = delivery_count(&delivery);
-            let settled = match lane {
-                Lane::Work if returns > 0 => settle.to_suspects().await,
-                Lane::Suspect if returns + 1 >= max_deliveries => {
-                    let outcome = Outcome::dead_letter(
+            let returns = returns(&delivery);
+            let decision = match lane {
+                Lane::Work if returns > 0 => Decision::ToSuspects,
+                Lane::Suspect if returns >= max_deliveries => Decision::Answer {
+                    outcome: Outcome::dead_letter(
                         DeadLetterReason::DeliveryLimit,
                         format!(
-                            "delivered {} times without being settled: its consumer died, lost its channel \
-                             or could not publish its retry each time",
-                            returns + 1
+                            "came back {returns} times without being settled: its consumer died or lost \
+                             its channel, or the broker refused its retry copy, each time"
                         ),
-                    );
-                    settle.outcome(&outcome, delivery_attempt(&delivery)).await
-                }
+                    ),
+                    attempt: delivery_attempt(&delivery),
+                },
                 Lane::Work | Lane::Suspect => {
                     let converted = to_delivery(&delivery, topology.queue());
                     let attempt = converted.attempt();
                     let outcome = route.handle(converted).await;
-                    settle.outcome(&outcome, attempt).await
+                    Decision::Answer { outcome, attempt }
                 }
             };
-            if let Err(error) = settled {
-                tracing::warn!(%error, "could not settle the delivery; returning it to the queue");
-                tokio::time::sleep(SETTLE_RETRY_DELAY).await;
-                let requeue = BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                };
-                let _ = delivery.acker.nack(requeue).await;
-            }
+            settle.apply_until_settled(&decision).await;
         }
+    }
+}
+
+/// How a delivery is to be settled.
+enum Decision {
+    /// Moved to the suspect queue: it came back unsettled.
+    ToSuspects,
+    /// Settled by the stack's outcome (or the delivery limit's), at `attempt`.
+    Answer { outcome: Outcome, attempt: u32 },
+}
+
+/// The pauses before settling again in place when the broker did not confirm a copy (a
+/// memory alarm, a busy broker): about 15 s in all, holding the delivery and without running
+/// the stack again, before it goes back to the queue and counts as an unsettled delivery.
+const SETTLE_BACKOFF: [Duration; 4] = [
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+    Duration::from_secs(4),
+    Duration::from_secs(8),
+];
+
+/// True when settling again on the same channel may pass.
+fn worth_settling_again(error: &Error) -> bool {
+    match error {
+        Error::Nacked | Error::ConfirmTimeout(_) => true,
+        // The channel is gone (the broker redelivers), or the copy has no queue.
+        Error::Amqp(_) | Error::Unroutable { .. } | Error::PublishGaveUp { .. } => false,
     }
 }
 
@@ -341,9 +372,11 @@ async fn consume(channel: &Channel, queue: &str) -> Result<Consumer, Error> {
         .await?)
 }
 
-/// How many times the broker delivered this message before without it being settled.
-fn delivery_count(delivery: &AmqpDelivery) -> u32 {
-    header_u32(delivery, DELIVERY_COUNT_HEADER).unwrap_or(0)
+/// How many times this message came back unsettled: in earlier queues (carried by the
+/// runner's copies) and in this one (counted by the broker).
+fn returns(delivery: &AmqpDelivery) -> u32 {
+    let earlier = header_u32(delivery, RETURNS_HEADER).unwrap_or(0);
+    earlier.saturating_add(header_u32(delivery, DELIVERY_COUNT_HEADER).unwrap_or(0))
 }
 
 /// The oncely attempt number a delivery carries, 1 when absent.
@@ -365,6 +398,38 @@ struct Settle<'a> {
 }
 
 impl Settle<'_> {
+    /// Settles by `decision`, again in place while the broker only failed to confirm, and
+    /// returns the delivery to its queue after [`SETTLE_RETRY_DELAY`] if it still cannot.
+    async fn apply_until_settled(&self, decision: &Decision) {
+        let mut settled = self.apply(decision).await;
+        for pause in SETTLE_BACKOFF {
+            match &settled {
+                Err(error) if worth_settling_again(error) => {
+                    tracing::warn!(%error, ?pause, "could not settle the delivery; trying again");
+                    tokio::time::sleep(pause).await;
+                    settled = self.apply(decision).await;
+                }
+                _ => break,
+            }
+        }
+        if let Err(error) = settled {
+            tracing::warn!(%error, "could not settle the delivery; returning it to the queue");
+            tokio::time::sleep(SETTLE_RETRY_DELAY).await;
+            let requeue = BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            };
+            let _ = self.delivery.acker.nack(requeue).await;
+        }
+    }
+
+    async fn apply(&self, decision: &Decision) -> Result<(), Error> {
+        match decision {
+            Decision::ToSuspects => self.to_suspects().await,
+            Decision::Answer { outcome, attempt } => self.outcome(outcome, *attempt).await,
+        }
+    }
+
     /// Acks, or forwards a copy for a retry or a dead letter and then acks.
     async fn outcome(&self, outcome: &Outcome, attempt: u32) -> Result<(), Error> {
         match outcome {
@@ -422,6 +487,7 @@ impl Settle<'_> {
 /// The delivery's headers for its copy: the attempt number, the original exchange and
 /// routing key (kept from an earlier copy), and for a dead letter the reason.
 fn copy_headers(delivery: &AmqpDelivery, attempt: u32, reason: Option<&str>) -> FieldTable {
+    let returns = returns(delivery);
     let mut headers = delivery
         .properties
         .headers()
@@ -429,13 +495,17 @@ fn copy_headers(delivery: &AmqpDelivery, attempt: u32, reason: Option<&str>) -> 
         .unwrap_or_default()
         .inner()
         .clone();
-    // The broker's count belongs to the delivery, not the copy: a copy is a new message.
+    // The broker's count belongs to the delivery, not the copy (a new message to the broker):
+    // it is carried over in the runner's own header.
     headers.remove(DELIVERY_COUNT_HEADER);
     let mut headers = FieldTable::from(headers);
     let mut set = |name: &str, value: AMQPValue| {
         headers.insert(name.into(), value);
     };
     set(ATTEMPT_HEADER, AMQPValue::LongLongInt(i64::from(attempt)));
+    if returns > 0 {
+        set(RETURNS_HEADER, AMQPValue::LongLongInt(i64::from(returns)));
+    }
     if let Some(reason) = reason {
         set(REASON_HEADER, AMQPValue::LongString(reason.into()));
         set(ATTEMPTS_HEADER, AMQPValue::LongLongInt(i64::from(attempt)));

@@ -24,8 +24,10 @@ use crate::error::Error;
 /// unsettled deliveries (`x-delivery-count`), which is how a message that kills its
 /// consumer is found, and the retry queues dead-letter *at least once*
 /// (`x-dead-letter-strategy: at-least-once`, `x-overflow: reject-publish`): the broker keeps
-/// a message in the retry queue until the work queue has confirmed it, so a missing or full
-/// work queue delays retries instead of dropping them.
+/// a message in the retry queue until the work queue has confirmed it, so a missing work
+/// queue delays retries (RabbitMQ tries again about every three minutes) instead of dropping
+/// them. Tested on RabbitMQ 3.10; the work and suspect queues dead-letter to the dead-letter
+/// queue should a later broker drop a message from them by its own delivery limit.
 ///
 /// [`declare`](Topology::declare) is idempotent as long as the queues were declared with the
 /// same arguments; a queue of the same name with other arguments (a classic queue declared
