@@ -12,8 +12,10 @@ demo:
 	$(CARGO) run --release -p quickstart
 
 ## A short fault-injection ledger run for `make test`: a few thousand messages, a few faults of
-## each kind. `make chaos` is the full one.
-CHAOS_SHORT = --messages 4000 --keys 800 --rate 400 --fault-every-ms 800 --time-limit-s 300
+## each kind — handler faults on 2 % of calls each and two poison messages, so that every
+## kind fires at least once (the run fails if one never does). `make chaos` is the full one.
+CHAOS_SHORT = --messages 4000 --keys 800 --rate 400 --fault-every-ms 800 --handler-faults 2 --poison 2 \
+	--time-limit-s 300
 
 ## Format check, clippy with warnings denied, every test, the quickstart's own checks and the
 ## short chaos run.
@@ -41,10 +43,12 @@ services:
 bench: services
 	$(CARGO) run --release -p integration-tests --bin bench -- all
 
-## The fault-injection ledger run: 50,000 messages over 10,000 keys through four consumers in
-## two processes while consumers are killed, Redis restarted and flushed, PostgreSQL and AMQP
-## connections dropped; then the same with the Redis flag alone. Fails if the full stack
-## misses or doubles a key.
+## The fault-injection ledger run: 50,000 messages over 10,000 keys and 5 poison messages
+## through four consumers in two processes while consumers are killed, Redis restarted and
+## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
+## swallows a failed statement on 0.5 % of calls each; then the same with the Redis flag
+## alone. Fails if the full stack misses, doubles or half-applies a key, does not
+## dead-letter a poison message, or stalls for a 5-second window.
 chaos: services
 	$(CARGO) build --release -p integration-tests --bins
 	$(TARGET_DIR)/release/chaos

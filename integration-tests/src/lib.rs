@@ -13,6 +13,7 @@
 //! and can be rerun without cleaning up.
 
 pub mod amqp;
+pub mod chaos_stack;
 pub mod outcomes;
 pub mod postgres;
 pub mod recorder;

@@ -6,8 +6,14 @@
 //! full stack (Redis flag, Redis lock, PostgreSQL record in transactional mode; the
 //! default) or the Redis flag alone, until it is killed or the process that started it
 //! exits. Redis and PostgreSQL come from `REDIS_URL` and `DATABASE_URL`.
+//!
+//! With `ONCELY_CHAOS_FAULTS=PERCENT` set (by `make chaos`), the same tiers run behind a
+//! `tower::timeout` in front of the chaos handler of `integration_tests::chaos_stack`: a
+//! two-row effect, PERCENT % of calls each panicking, timing out and swallowing a failed
+//! statement, and poison messages that SIGKILL this process.
 
 use integration_tests::amqp::{amqp_addr, flag_only_orders_route, orders_route, test_topology};
+use integration_tests::chaos_stack::{FAULTS_ENV, HandlerFaults, chaos_flag_only_route, chaos_orders_route};
 use integration_tests::postgres::schema_pool;
 use integration_tests::{redis_connection, redis_url};
 use lapin::{Connection, ConnectionProperties};
@@ -55,6 +61,17 @@ async fn exit_when_orphaned() {
     }
 }
 
+/// The chaos run's handler faults, if `ONCELY_CHAOS_FAULTS` asks for the chaos stack; they
+/// are logged through a small pool of their own, outside the record's transaction.
+fn chaos_faults(schema: &str) -> Option<HandlerFaults> {
+    let percent = std::env::var(FAULTS_ENV).ok()?;
+    let percent = percent.parse::<f64>().unwrap_or_else(|error| {
+        eprintln!("{FAULTS_ENV}={percent:?}: {error}");
+        std::process::exit(2);
+    });
+    Some(HandlerFaults::new(percent, schema_pool(schema, 2)))
+}
+
 #[tokio::main]
 async fn main() {
     tokio::spawn(exit_when_orphaned());
@@ -74,13 +91,18 @@ async fn main() {
     };
     let redis = redis_connection(&redis_url()).await;
     let pool = schema_pool(schema, 8);
-    match stack {
-        "full" => {
-            let records = Table::new(schema, "consumption_record").expect("a valid schema");
-            consume(orders_route(pool, records, redis, prefix), queue, name).await;
+    let records = || Table::new(schema, "consumption_record").expect("a valid schema");
+    match (stack, chaos_faults(schema)) {
+        ("full", None) => consume(orders_route(pool, records(), redis, prefix), queue, name).await,
+        ("full", Some(faults)) => {
+            let route = chaos_orders_route(pool, records(), redis, prefix, faults);
+            consume(route, queue, name).await;
         }
-        "flag-only" => consume(flag_only_orders_route(pool, redis, prefix), queue, name).await,
-        other => {
+        ("flag-only", None) => consume(flag_only_orders_route(pool, redis, prefix), queue, name).await,
+        ("flag-only", Some(faults)) => {
+            consume(chaos_flag_only_route(pool, redis, prefix, faults), queue, name).await;
+        }
+        (other, _) => {
             eprintln!("unknown stack {other:?}: full or flag-only");
             std::process::exit(2);
         }

@@ -1,0 +1,340 @@
+//! The consumer side of the chaos ledger run (`make chaos`): the stock-deduction stack in
+//! front of a handler that misbehaves on purpose, and the tables the run reads its verdict
+//! from.
+//!
+//! The handler writes each order's effect as two rows in two statements (`stock_moves`
+//! parts 1 and 2), so an effect committed in half shows as a key with one part. With
+//! [`HandlerFaults`], a small random share of its calls — drawn per call, not per key, so a
+//! retry of the same key passes — misbehaves in one of three ways:
+//!
+//! - panics between the two writes;
+//! - sleeps between the two writes past the [`tower::timeout`] placed outermost in the
+//!   stack, so the whole stack's future is dropped with the record's transaction open;
+//! - runs a statement that fails after both writes, ignores the error and returns `Ok`, so
+//!   the record tier commits an aborted transaction.
+//!
+//! A message whose body says `"poison": true` SIGKILLs the process that handles it, every
+//! time, as a handler that crashes on one message would.
+//!
+//! Each fault is logged in `chaos_faults` just before it fires, through a pool of its own
+//! outside the record's transaction (whose rollback would discard the entry), so the run
+//! counts exactly the faults that took effect: one whose entry could not be written (its
+//! connection was just terminated) is not fired.
+
+use std::convert::Infallible;
+use std::hash::{BuildHasher, RandomState};
+use std::process::Command;
+use std::time::Duration;
+
+use deadpool_postgres::{Client, Pool};
+use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::lock::{LockLayer, RedisLockStore};
+use oncely::postgres::Table;
+use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
+use redis::aio::ConnectionManager;
+use tower::ServiceBuilder;
+use tower::timeout::TimeoutLayer;
+
+/// The environment variable that turns `amqp_consumer` to the chaos stack: the share of
+/// handler calls, in percent, that get each handler fault (`0.5`: one call in 200 panics,
+/// another one in 200 times out, another swallows a failed statement). Set to `0`, the
+/// chaos stack runs without handler faults (poison messages still kill).
+pub const FAULTS_ENV: &str = "ONCELY_CHAOS_FAULTS";
+
+/// The `tower::timeout` in front of the stack. A normal delivery takes milliseconds, also
+/// under the run's store faults (a stopped Redis or a terminated connection fails at once);
+/// a timeout that fires on one anyway only costs a retry.
+pub const HANDLER_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The flag's and lock's leases: longer than the timeout bounds any run of the stack, and
+/// shorter than the run's 5-second throughput window, so that the claim of a dropped or
+/// killed delivery (held until its lease runs out) cannot by itself empty a window.
+const LEASE: Duration = Duration::from_secs(3);
+
+/// The tables the chaos stack writes, to create in the run's schema: the two-part effect
+/// with each row's write time, and the log of handler faults that fired.
+pub const TABLES: &str = "
+    CREATE TABLE stock_moves (
+        id BIGSERIAL PRIMARY KEY,
+        order_id TEXT NOT NULL,
+        part SMALLINT NOT NULL,
+        created_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+    );
+    CREATE TABLE chaos_faults (
+        kind TEXT NOT NULL,
+        order_id TEXT NOT NULL,
+        at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+    );";
+
+/// A fault the chaos handler injects into itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum HandlerFault {
+    /// A panic between the two writes.
+    Panic,
+    /// A sleep between the two writes, past [`HANDLER_TIMEOUT`].
+    Timeout,
+    /// A failed statement after the writes, ignored: the handler returns `Ok`.
+    SwallowedError,
+    /// A poison message: the handling process SIGKILLs itself.
+    Poison,
+}
+
+impl HandlerFault {
+    /// Every kind, in report order.
+    pub const ALL: [HandlerFault; 4] = [
+        HandlerFault::Panic,
+        HandlerFault::Timeout,
+        HandlerFault::SwallowedError,
+        HandlerFault::Poison,
+    ];
+
+    /// The kind as logged in `chaos_faults.kind`.
+    pub fn code(self) -> &'static str {
+        match self {
+            HandlerFault::Panic => "panic",
+            HandlerFault::Timeout => "timeout",
+            HandlerFault::SwallowedError => "swallowed_error",
+            HandlerFault::Poison => "poison",
+        }
+    }
+
+    /// The kind logged as `code`.
+    pub fn from_code(code: &str) -> Option<Self> {
+        HandlerFault::ALL.into_iter().find(|fault| fault.code() == code)
+    }
+
+    /// The kind as the run's report names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            HandlerFault::Panic => "handler panic",
+            HandlerFault::Timeout => "handler past tower timeout",
+            HandlerFault::SwallowedError => "swallowed failed statement",
+            HandlerFault::Poison => "poison message SIGKILL",
+        }
+    }
+}
+
+/// The handler faults of one consumer process: how often each fires, and the pool (in
+/// autocommit, outside any record transaction) that logs them.
+#[derive(Clone, Debug)]
+pub struct HandlerFaults {
+    share: f64,
+    log: Pool,
+}
+
+impl HandlerFaults {
+    /// Each of panic, timeout and swallowed error on `percent` % of the handler's calls
+    /// (at most one per call), logged through `log`, whose connections must search the
+    /// schema holding `chaos_faults` first.
+    pub fn new(percent: f64, log: Pool) -> Self {
+        HandlerFaults {
+            share: percent.clamp(0.0, 100.0 / 3.0) / 100.0,
+            log,
+        }
+    }
+
+    /// The fault this call gets, if any: random per call, so a retry draws again.
+    fn draw(&self) -> Option<HandlerFault> {
+        // A fresh `RandomState` has fresh keys, so hashing nothing gives a random number
+        // without a dependency on a random number crate.
+        let roll = (RandomState::new().hash_one(()) >> 11) as f64 / (1u64 << 53) as f64;
+        [
+            HandlerFault::Panic,
+            HandlerFault::Timeout,
+            HandlerFault::SwallowedError,
+        ]
+        .into_iter()
+        .enumerate()
+        .find(|(rank, _)| roll < self.share * (*rank + 1) as f64)
+        .map(|(_, fault)| fault)
+    }
+
+    /// Logs `fault` for `order` and says whether it may fire: true only if it is logged, so
+    /// the run's count of faults is exact.
+    async fn log(&self, fault: HandlerFault, order: &str) -> bool {
+        let Ok(client) = self.log.get().await else {
+            return false;
+        };
+        client
+            .execute(
+                "INSERT INTO chaos_faults (kind, order_id) VALUES ($1, $2)",
+                &[&fault.code(), &order],
+            )
+            .await
+            .is_ok()
+    }
+
+    /// True if `drawn` is `fault` and its log entry was written: the caller fires it now.
+    async fn fires(&self, drawn: Option<HandlerFault>, fault: HandlerFault, order: &str) -> bool {
+        drawn == Some(fault) && self.log(fault, order).await
+    }
+}
+
+/// Where the handler writes its two rows.
+#[derive(Clone)]
+enum Effects {
+    /// In the transaction the record tier hands on: the full stack.
+    InRecordTransaction,
+    /// Each statement on its own (autocommit): the flag-only stack, with no record.
+    Autocommit(Pool),
+}
+
+/// The chaos stock-deduction handler: two rows per order, and the faults.
+#[derive(Clone)]
+struct ChaosHandler {
+    effects: Effects,
+    faults: HandlerFaults,
+}
+
+impl ChaosHandler {
+    async fn handle(self, envelope: Envelope) -> Result<(), HandlerError> {
+        let order = envelope.key().as_str();
+        if is_poison(&envelope) {
+            // Logged on a best effort: a poison message kills whether or not its entry is
+            // written, as a real one would.
+            self.faults.log(HandlerFault::Poison, order).await;
+            kill_this_process();
+        }
+        let pooled;
+        let client: &Client = match &self.effects {
+            Effects::InRecordTransaction => envelope
+                .extensions()
+                .get::<PgTransaction>()
+                .expect("the transactional record tier in front")
+                .client(),
+            Effects::Autocommit(pool) => {
+                pooled = pool.get().await?;
+                &pooled
+            }
+        };
+        let fault = self.faults.draw();
+        write_part(client, order, 1).await?;
+        if self.faults.fires(fault, HandlerFault::Panic, order).await {
+            panic!("chaos: injected panic between the two writes of {order}");
+        }
+        if self.faults.fires(fault, HandlerFault::Timeout, order).await {
+            tokio::time::sleep(HANDLER_TIMEOUT * 3).await;
+        }
+        write_part(client, order, 2).await?;
+        if self
+            .faults
+            .fires(fault, HandlerFault::SwallowedError, order)
+            .await
+        {
+            // The bug being injected: the error is dropped and the handler reports success.
+            let _ = client.execute("SELECT 1/0", &[]).await;
+        }
+        Ok(())
+    }
+}
+
+async fn write_part(client: &Client, order: &str, part: i16) -> Result<(), HandlerError> {
+    client
+        .execute(
+            "INSERT INTO stock_moves (order_id, part) VALUES ($1, $2)",
+            &[&order, &part],
+        )
+        .await?;
+    Ok(())
+}
+
+fn is_poison(envelope: &Envelope) -> bool {
+    serde_json::from_slice::<serde_json::Value>(envelope.delivery().body())
+        .ok()
+        .and_then(|body| body.pointer("/poison")?.as_bool())
+        .unwrap_or(false)
+}
+
+/// Ends this process with SIGKILL: no unwinding, no destructors, no goodbye to the broker,
+/// like an OOM kill. (`std::process::exit` would be an orderly exit, not a crash.)
+fn kill_this_process() -> ! {
+    let _ = Command::new("kill")
+        .args(["-9", &std::process::id().to_string()])
+        .status();
+    // Only reached if `kill` could not run: an abort is a crash too.
+    std::process::abort()
+}
+
+/// The full stack of the chaos run: a `tower::timeout` outermost, then the Redis flag, the
+/// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode, to the
+/// chaos handler writing in the record's transaction. Keyed by the body's `/orderId`.
+/// `pool`'s connections must search the run's schema first; Redis keys start with `prefix`.
+pub fn chaos_orders_route(
+    pool: Pool,
+    records: Table,
+    redis: ConnectionManager,
+    prefix: &str,
+    faults: HandlerFaults,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
+> {
+    let handler = ChaosHandler {
+        effects: Effects::InRecordTransaction,
+        faults,
+    };
+    let stack = ServiceBuilder::new()
+        // Outermost, so a timeout drops the whole stack's future mid-transaction.
+        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
+        .layer(chaos_flag(redis.clone(), prefix))
+        .layer(
+            LockLayer::new(
+                RedisLockStore::new(redis).with_prefix(prefix),
+                KeyExtractor::json_pointer("/sku"),
+            )
+            .with_lease(LEASE)
+            .with_busy_delay(Duration::from_millis(100)),
+        )
+        .layer(PgTransactionalLayer::new(pool, records))
+        .service(handler_service(handler));
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The flag-only stack for comparison, with the same timeout and handler faults: the Redis
+/// flag in front of the chaos handler writing each row on its own (no record, no
+/// transaction).
+pub fn chaos_flag_only_route(
+    pool: Pool,
+    redis: ConnectionManager,
+    prefix: &str,
+    faults: HandlerFaults,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
+> {
+    let handler = ChaosHandler {
+        effects: Effects::Autocommit(pool),
+        faults,
+    };
+    let stack = ServiceBuilder::new()
+        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
+        .layer(chaos_flag(redis, prefix))
+        .service(handler_service(handler));
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+fn handler_service(
+    handler: ChaosHandler,
+) -> impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
++ Clone
++ Send
++ Sync
++ oncely::record::TransactionSafe {
+    handler_fn(move |envelope: Envelope| handler.clone().handle(envelope))
+}
+
+fn chaos_flag(redis: ConnectionManager, prefix: &str) -> FlagLayer<RedisFlagStore<ConnectionManager>> {
+    FlagLayer::new(
+        RedisFlagStore::new(redis).with_prefix(prefix),
+        Duration::from_secs(600),
+    )
+    .with_lease(LEASE)
+    .with_in_flight_delay(Duration::from_millis(100))
+}
