@@ -226,10 +226,11 @@ pub enum DeadLetterReason {
     /// The body is larger than the route's maximum
     /// ([`Route::with_max_body_len`](crate::Route::with_max_body_len)); it was not parsed.
     Oversize,
-    /// The broker delivered the message the adapter's maximum number of times without it
-    /// ever being settled: each time, the consumer died or lost its channel while holding it
-    /// (a message that crashes its process, say). Counted by the broker, so a crash counts
-    /// too.
+    /// The message came back unsettled the maximum number of times: each time its consumer
+    /// died or lost its connection while holding it (a message that crashes its process,
+    /// say), or the broker kept refusing its retry copy. Counted outside the stack — by the
+    /// broker (RabbitMQ's quorum queues) or by a
+    /// [delivery counter](crate::Route::with_delivery_limit) — so a crash counts too.
     DeliveryLimit,
 }
 
