@@ -58,6 +58,28 @@ async fn moves_of(schema: &ScratchSchema, key: &str) -> i64 {
         .await
 }
 
+/// The transactional record on `pool` in front of `handler`, keyed by the body's `/orderId`.
+fn transactional<F, Fut>(
+    pool: &Pool,
+    schema: &ScratchSchema,
+    handler: F,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<F, Fut>,
+>
+where
+    F: FnMut(Envelope) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    let stack = ServiceBuilder::new()
+        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
+        .service(handler_fn(handler));
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
 fn the_transaction(envelope: &Envelope) -> PgTransaction {
     envelope
         .extensions()
@@ -82,10 +104,7 @@ async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
         "INSERT INTO stock_moves (order_id) SELECT order_id FROM stock_moves",
     ] {
         let (schema, pool) = stock_schema(4).await;
-        let stack = ServiceBuilder::new()
-            .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-            .service(handler_fn(move |envelope| swallowing_handler(envelope, bug)));
-        let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+        let route = transactional(&pool, &schema, move |envelope| swallowing_handler(envelope, bug));
 
         let outcome = route.handle(order("o-1")).await;
         assert_eq!(
@@ -101,12 +120,9 @@ async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
         );
 
         // The redelivery, handled by a fixed handler, applies the effect once.
-        let fixed = ServiceBuilder::new()
-            .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-            .service(handler_fn(|envelope: Envelope| async move {
-                insert_stock_move(&envelope).await
-            }));
-        let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), fixed);
+        let route = transactional(&pool, &schema, |envelope: Envelope| async move {
+            insert_stock_move(&envelope).await
+        });
         assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{bug}");
         assert_eq!(moves_of(&schema, "o-1").await, 1, "{bug}");
     }
@@ -115,17 +131,14 @@ async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
 #[tokio::test]
 async fn a_handler_that_ends_the_transaction_itself_is_retried() {
     let (schema, pool) = stock_schema(4).await;
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler_fn(|envelope: Envelope| async move {
-            insert_stock_move(&envelope).await?;
-            the_transaction(&envelope)
-                .client()
-                .batch_execute("ROLLBACK")
-                .await?;
-            Ok::<(), HandlerError>(())
-        }));
-    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
+        insert_stock_move(&envelope).await?;
+        the_transaction(&envelope)
+            .client()
+            .batch_execute("ROLLBACK")
+            .await?;
+        Ok::<(), HandlerError>(())
+    });
     let outcome = route.handle(order("o-1")).await;
     assert_eq!(
         outcome.retry_reason(),
@@ -214,16 +227,13 @@ async fn a_panic_or_a_timeout_mid_transaction_commits_nothing_and_poisons_no_con
 #[tokio::test]
 async fn a_panic_at_the_attempt_limit_is_dead_lettered_saying_it_panicked() {
     let (schema, pool) = stock_schema(2).await;
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler_fn(|envelope: Envelope| async move {
-            insert_stock_move(&envelope).await?;
-            panic!("index out of bounds");
-            #[allow(unreachable_code)]
-            Ok::<(), HandlerError>(())
-        }));
-    let route =
-        Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack).with_max_attempts(2);
+    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
+        insert_stock_move(&envelope).await?;
+        panic!("index out of bounds");
+        #[allow(unreachable_code)]
+        Ok::<(), HandlerError>(())
+    })
+    .with_max_attempts(2);
     let first = route.handle(order("o-1")).await;
     assert_eq!(
         first.retry_reason(),
@@ -244,13 +254,10 @@ async fn a_panic_at_the_attempt_limit_is_dead_lettered_saying_it_panicked() {
 #[tokio::test]
 async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
     let (schema, pool) = stock_schema(2).await;
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler_fn(|envelope: Envelope| async move {
-            insert_stock_move(&envelope).await
-        }));
-    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
-        .with_max_body_len(1024 * 1024);
+    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
+        insert_stock_move(&envelope).await
+    })
+    .with_max_body_len(1024 * 1024);
     let source = || Source::new(Broker::InProcess, "orders");
     let cases = [
         (
@@ -286,18 +293,15 @@ async fn a_handler_that_keeps_its_transaction_past_its_answer_commits_nothing() 
     let (schema, pool) = stock_schema(2).await;
     let kept: Arc<std::sync::Mutex<Option<PgTransaction>>> = Arc::default();
     let keeper = kept.clone();
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler_fn(move |envelope: Envelope| {
-            let keeper = keeper.clone();
-            async move {
-                insert_stock_move(&envelope).await?;
-                // E.g. handed to a task that writes later, outside the record.
-                *keeper.lock().unwrap() = Some(the_transaction(&envelope));
-                Ok::<(), HandlerError>(())
-            }
-        }));
-    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let route = transactional(&pool, &schema, move |envelope: Envelope| {
+        let keeper = keeper.clone();
+        async move {
+            insert_stock_move(&envelope).await?;
+            // E.g. handed to a task that writes later, outside the record.
+            *keeper.lock().unwrap() = Some(the_transaction(&envelope));
+            Ok::<(), HandlerError>(())
+        }
+    });
     let outcome = route.handle(order("o-1")).await;
     assert_eq!(
         outcome.retry_reason(),
@@ -316,27 +320,24 @@ async fn a_commit_the_server_refuses_is_retried_and_its_connection_reused() {
             "CREATE TABLE ledger (entry TEXT NOT NULL, CONSTRAINT one_entry UNIQUE (entry) DEFERRABLE INITIALLY DEFERRED)",
         )
         .await;
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler_fn(|envelope: Envelope| async move {
-            insert_stock_move(&envelope).await?;
-            let entries = if envelope.key().as_str() == "o-twice" {
-                2
-            } else {
-                1
-            };
-            for _ in 0..entries {
-                the_transaction(&envelope)
-                    .client()
-                    .execute(
-                        "INSERT INTO ledger (entry) VALUES ($1)",
-                        &[&envelope.key().as_str()],
-                    )
-                    .await?;
-            }
-            Ok::<(), HandlerError>(())
-        }));
-    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
+        insert_stock_move(&envelope).await?;
+        let entries = if envelope.key().as_str() == "o-twice" {
+            2
+        } else {
+            1
+        };
+        for _ in 0..entries {
+            the_transaction(&envelope)
+                .client()
+                .execute(
+                    "INSERT INTO ledger (entry) VALUES ($1)",
+                    &[&envelope.key().as_str()],
+                )
+                .await?;
+        }
+        Ok::<(), HandlerError>(())
+    });
     let outcome = route.handle(order("o-twice")).await;
     assert_eq!(
         outcome.retry_reason(),
