@@ -145,3 +145,38 @@ async fn a_key_that_never_settles_is_dead_lettered_at_the_delivery_limit_and_ans
     assert_eq!(route.handle(order("once", "A")).await, Outcome::Processed);
     assert_eq!(runs.lock().unwrap()["once"], 2);
 }
+
+/// A crash leaves the flag's in-flight claim behind until its lease runs out; the waits it
+/// causes run nothing and must not wipe the crashes counted so far.
+#[tokio::test(start_paused = true)]
+async fn waits_behind_a_dead_consumers_claim_keep_its_crashes_counted() {
+    let handler = handler_fn(|_envelope: Envelope| async move {
+        std::future::pending::<()>().await;
+        Ok::<(), HandlerError>(())
+    });
+    let stack = ServiceBuilder::new()
+        .layer(
+            oncely::flag::FlagLayer::new(oncely::flag::MemoryFlagStore::new(), Duration::from_secs(600))
+                .with_lease(Duration::from_secs(10)),
+        )
+        .service(handler);
+    let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), stack)
+        .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 3);
+    for _ in 0..2 {
+        assert_eq!(crash(&route, "poison").await, None);
+        let wait = route.handle(order("poison", "A")).await;
+        assert_eq!(
+            wait.retry_reason(),
+            Some(RetryReason::InFlight(oncely::Tier::Flag)),
+            "{wait}"
+        );
+        tokio::time::advance(Duration::from_secs(11)).await;
+    }
+    assert_eq!(crash(&route, "poison").await, None);
+    let last = route.handle(order("poison", "A")).await;
+    assert_eq!(
+        last.dead_letter_reason(),
+        Some(DeadLetterReason::DeliveryLimit),
+        "{last}"
+    );
+}

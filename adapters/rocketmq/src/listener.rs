@@ -107,7 +107,16 @@ where
         let retry = block_on(&settler.runtime, async {
             let mut retry = false;
             for message in messages {
-                retry |= matches!(settler.settle(message).await, Settled::Retry { .. });
+                let started = std::time::Instant::now();
+                retry |= loop {
+                    match settler.settle(message).await {
+                        Settled::Done => break false,
+                        Settled::Wait { delay } if started.elapsed() < WAIT_IN_PLACE => {
+                            tokio::time::sleep(delay.unwrap_or(Duration::from_millis(100))).await;
+                        }
+                        _ => break true,
+                    }
+                };
             }
             retry
         });
@@ -133,7 +142,7 @@ where
         let settler = &self.settler;
         let retry = block_on(&settler.runtime, async {
             for message in messages {
-                if let Settled::Retry { delay } = settler.settle(message).await {
+                if let Settled::Retry { delay } | Settled::Wait { delay } = settler.settle(message).await {
                     return Some(delay);
                 }
             }
@@ -174,8 +183,15 @@ where
     }
 }
 
+/// How long the concurrent listener waits in place for a key another delivery holds (e.g. a
+/// dead consumer's lease) before it sends the message back to the broker's retry schedule
+/// (10 s, 30 s, 1 min, … and one more reconsume time each).
+const WAIT_IN_PLACE: Duration = Duration::from_secs(5);
+
 /// What became of one message.
 enum Settled {
+    /// Another delivery holds the key: try again after `delay`.
+    Wait { delay: Option<Duration> },
     /// Acknowledge it: done, a duplicate, stale, or dead-lettered and stored.
     Done,
     /// Bring it back, after `delay` when a tier suggested one.
@@ -218,6 +234,12 @@ where
                     Settled::Retry { delay: None }
                 }
             };
+        }
+        if let Some(reason) = outcome.retry_reason()
+            && reason.is_wait()
+            && let BrokerAction::Retry { delay } = outcome.action()
+        {
+            return Settled::Wait { delay };
         }
         match outcome.action() {
             BrokerAction::Ack => Settled::Done,

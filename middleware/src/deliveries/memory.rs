@@ -37,6 +37,18 @@ impl DeliveryCounter for MemoryDeliveryCounter {
         Box::pin(async { Ok(()) })
     }
 
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+        let now = Instant::now();
+        let mut counts = self.counts.lock();
+        match counts.get(key, now).copied() {
+            Some(count) if count > 1 => counts.insert(key.clone(), count - 1, now + super::COUNT_TTL),
+            _ => {
+                counts.remove(key);
+            }
+        }
+        Box::pin(async { Ok(()) })
+    }
+
     fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
         self.counts.lock().remove(key);
         Box::pin(async { Ok(()) })

@@ -12,8 +12,10 @@
 //!   before and never settled is a **suspect**;
 //! - suspects run one at a time in the process, so a crash is counted against the delivery
 //!   that caused it and not against every delivery that happened to run beside it;
-//! - the start is counted, the stack runs, and whatever it answers, the count is cleared:
-//!   an answered delivery was not a crash;
+//! - the start is counted, the stack runs, and whatever it answers, the count is cleared —
+//!   an answered delivery was not a crash — except a wait (another delivery holds the key,
+//!   such as the dead consumer's flag claim or lock, until its lease runs out): a wait ran
+//!   nothing, so it takes back only its own start and leaves the crashes counted;
 //! - a key with `max` unsettled starts is dead-lettered
 //!   ([`DeadLetterReason::DeliveryLimit`](crate::DeadLetterReason::DeliveryLimit)) without
 //!   running again.
@@ -84,7 +86,13 @@ impl DeliveryLimit {
             tracing::warn!(%key, %error, "delivery counter failed; running uncounted");
         }
         let outcome = handle().await;
-        if let Err(error) = self.counter.settle(key).await {
+        // A wait (another delivery holds the key, e.g. the dead one's lease) ran nothing: it
+        // takes back only its own start and leaves the crashes counted.
+        let cleared = match outcome.retry_reason() {
+            Some(reason) if reason.is_wait() => self.counter.release(key).await,
+            _ => self.counter.settle(key).await,
+        };
+        if let Err(error) = cleared {
             tracing::warn!(%key, %error, "delivery counter failed to clear; the count expires");
         }
         outcome

@@ -1,5 +1,5 @@
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use super::store::DeliveryCounter;
@@ -9,9 +9,14 @@ use crate::outcome::Tier;
 use crate::redis_backend::{DEFAULT_REDIS_PREFIX, RedisConnection, millis, store_error, tagged_key};
 use crate::service::BoxFuture;
 
+/// Takes back one start, deleting the counter at zero so no empty keys linger.
+static RELEASE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new("if redis.call('DECR', KEYS[1]) <= 0 then redis.call('DEL', KEYS[1]) end return 0")
+});
+
 /// A [`DeliveryCounter`] on Redis 7.0 or later, shared by every consumer process: one
 /// counter per key, `PREFIX:deliveries:{KEY}`, counted with `INCR` and `PEXPIRE` in one
-/// round trip and cleared with `DEL`.
+/// round trip, taken back with a script (`DECR`) and cleared with `DEL`.
 ///
 /// A count lost with Redis's data (a restart without persistence, `FLUSHALL`) lets a
 /// crashing message run up to the limit again; it never stops a healthy one.
@@ -76,6 +81,17 @@ impl<C: RedisConnection> DeliveryCounter for RedisDeliveryCounter<C> {
                 .pexpire(&key, i64::try_from(millis(ttl)).unwrap_or(i64::MAX))
                 .ignore()
                 .query_async::<()>(&mut connection)
+                .await
+                .map_err(failed)
+        })
+    }
+
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+        let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
+        Box::pin(async move {
+            RELEASE
+                .key(key)
+                .invoke_async::<()>(&mut connection)
                 .await
                 .map_err(failed)
         })

@@ -17,6 +17,9 @@ pub trait DeliveryCounter: Send + Sync + 'static {
     /// Counts one more start of `key`, kept for `ttl` after the last one.
     fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), Error>>;
 
+    /// Takes back one start of `key`: its delivery was answered with a wait.
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>>;
+
     /// Forgets `key`'s starts: its delivery was answered.
     fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>>;
 }
