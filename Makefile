@@ -16,15 +16,21 @@ demo:
 ## kind fires at least once (the run fails if one never does). `make chaos` is the full one.
 CHAOS_SHORT = --messages 4000 --keys 800 --rate 400 --fault-every-ms 800 --handler-faults 2 --poison 2 \
 	--time-limit-s 300
+## The same through RocketMQ, smaller and slower (its retries come back after 10 s at the
+## earliest, and a broker restart keeps its clients away for 30 s): one broker restart, the
+## other faults every second, the same handler faults and poison messages.
+CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --fault-every-ms 1000 \
+	--handler-faults 2 --poison 2 --time-limit-s 300
 
 ## Format check, clippy with warnings denied, every test, the quickstart's own checks and the
-## short chaos run.
+## short chaos runs (RabbitMQ, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
+	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT_ROCKETMQ); \
 	awk '/^test result:/ { passed += $$4; failed += $$6 } \
 	     END { printf "tests: %d passed, %d failed\n", passed, failed }' "$$log"
 
@@ -47,9 +53,12 @@ bench: services
 ## through four consumers in two processes while consumers are killed, Redis restarted and
 ## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
 ## swallows a failed statement on 0.5 % of calls each; then the same with the Redis flag
-## alone. Fails if the full stack misses, doubles or half-applies a key, does not
-## dead-letter a poison message, or stalls for a 5-second window.
+## alone; then 10,000 messages over 2,000 keys through RocketMQ on the rocketmq-points stack,
+## with the broker restarted instead of connections dropped. Fails if a full stack misses,
+## doubles or half-applies a key, does not dead-letter a poison message, or stalls for a
+## 5-second window.
 chaos: services
 	$(CARGO) build --release -p integration-tests --bins
 	$(TARGET_DIR)/release/chaos
 	$(TARGET_DIR)/release/chaos --stack flag-only --report-only
+	$(TARGET_DIR)/release/chaos --broker rocketmq

@@ -1,6 +1,6 @@
-//! The consumer side of the chaos ledger run (`make chaos`): the stock-deduction stack in
-//! front of a handler that misbehaves on purpose, and the tables the run reads its verdict
-//! from.
+//! The consumer side of the chaos ledger run (`make chaos`): the stacks in front of a
+//! handler that misbehaves on purpose — the stock-deduction stack for RabbitMQ, the
+//! `rocketmq-points` stack for RocketMQ — and the tables the run reads its verdict from.
 //!
 //! The handler writes each order's effect as two rows in two statements (`stock_moves`
 //! parts 1 and 2), so an effect committed in half shows as a key with one part. With
@@ -27,6 +27,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use deadpool_postgres::{Client, Pool};
+use oncely::deliveries::RedisDeliveryCounter;
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::postgres::Table;
@@ -36,11 +37,26 @@ use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
 use tower::timeout::TimeoutLayer;
 
-/// The environment variable that turns `amqp_consumer` to the chaos stack: the share of
+use crate::postgres::schema_pool;
+
+/// The environment variable that turns `amqp_consumer` to the chaos stack, and sets the
+/// handler faults of `rocketmq_consumer` (which runs only the chaos stack): the share of
 /// handler calls, in percent, that get each handler fault (`0.5`: one call in 200 panics,
 /// another one in 200 times out, another swallows a failed statement). Set to `0`, the
 /// chaos stack runs without handler faults (poison messages still kill).
 pub const FAULTS_ENV: &str = "ONCELY_CHAOS_FAULTS";
+
+/// The environment variable naming the Redis that `rocketmq_consumer` keeps its delivery
+/// counts in (default: `REDIS_URL`'s). The chaos run gives it a Redis of its own that the
+/// faults leave alone: a count lost with Redis's data lets a crashing message run up to the
+/// limit again, and a Redis that loses its data every few seconds, as the run's does, would
+/// never let a poison message reach the limit.
+pub const DELIVERIES_REDIS_ENV: &str = "ONCELY_DELIVERIES_REDIS_URL";
+
+/// How many times the RocketMQ chaos route lets a key start without the stack answering
+/// before it dead-letters it (`delivery_limit`): RocketMQ does not count the redeliveries
+/// of a consumer that died, so the route counts them, in Redis.
+pub const DELIVERY_LIMIT: u32 = 5;
 
 /// The `tower::timeout` in front of the stack. A normal delivery takes milliseconds, also
 /// under the run's store faults (a stopped Redis or a terminated connection fails at once);
@@ -132,6 +148,18 @@ impl HandlerFaults {
             share: percent.clamp(0.0, 100.0 / 3.0) / 100.0,
             log,
         }
+    }
+
+    /// The handler faults `ONCELY_CHAOS_FAULTS` asks for, logged in `schema`'s
+    /// `chaos_faults` through a small pool of their own; `None` when it is not set. Exits the
+    /// process (status 2) when it is not a number.
+    pub fn from_env(schema: &str) -> Option<Self> {
+        let percent = std::env::var(FAULTS_ENV).ok()?;
+        let percent = percent.parse::<f64>().unwrap_or_else(|error| {
+            eprintln!("{FAULTS_ENV}={percent:?}: {error}");
+            std::process::exit(2);
+        });
+        Some(HandlerFaults::new(percent, schema_pool(schema, 2)))
     }
 
     /// The fault this call gets, if any: random per call, so a retry draws again.
@@ -292,6 +320,48 @@ pub fn chaos_orders_route(
         .layer(PgTransactionalLayer::new(pool, records))
         .service(handler_service(handler));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The RocketMQ chaos route, shaped as `examples/rocketmq-points`' `credit-points`: keyed by
+/// the message's KEYS in the namespace `credit_points`, with a [`DELIVERY_LIMIT`] counted in
+/// the Redis of `deliveries` (RocketMQ does not count the redeliveries of a consumer that
+/// died), through a `tower::timeout` outermost, the Redis flag (on `redis`) and the
+/// PostgreSQL record in transactional mode, to the chaos handler writing in the record's
+/// transaction. `pool`'s connections must search the run's schema first; Redis keys start
+/// with `prefix`.
+pub fn chaos_points_route(
+    pool: Pool,
+    records: Table,
+    redis: ConnectionManager,
+    deliveries: ConnectionManager,
+    prefix: &str,
+    faults: HandlerFaults,
+) -> Route<
+    impl tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + use<>,
+> {
+    let handler = ChaosHandler {
+        effects: Effects::InRecordTransaction,
+        faults,
+    };
+    let stack = ServiceBuilder::new()
+        // Outermost, so a timeout drops the whole stack's future mid-transaction.
+        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
+        .layer(chaos_flag(redis, prefix))
+        .layer(PgTransactionalLayer::new(pool, records))
+        .service(handler_service(handler));
+    Route::new(
+        "credit_points",
+        KeyExtractor::broker_key().with_namespace("credit_points"),
+        stack,
+    )
+    .with_delivery_limit(
+        RedisDeliveryCounter::new(deliveries).with_prefix(prefix),
+        DELIVERY_LIMIT,
+    )
 }
 
 /// The flag-only stack for comparison, with the same timeout and handler faults: the Redis

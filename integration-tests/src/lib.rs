@@ -64,6 +64,18 @@ where
     }
 }
 
+/// Exits once the process that started this one is gone, so that the consumer processes of a
+/// chaos run or a test interrupted before its cleanup do not run on forever.
+pub async fn exit_when_orphaned() {
+    let parent = std::os::unix::process::parent_id();
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if std::os::unix::process::parent_id() != parent {
+            std::process::exit(0);
+        }
+    }
+}
+
 /// `value` rounded, with thousands separated by commas: `54,100`.
 pub fn thousands(value: f64) -> String {
     let digits = format!("{value:.0}");

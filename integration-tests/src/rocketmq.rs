@@ -36,6 +36,20 @@ impl ScratchRocketMq {
     /// Starts a client runtime and a producer for a fresh topic named after `name`.
     pub async fn new(name: &str) -> Self {
         let id = oncely::Token::random();
+        Self::with_names(
+            name,
+            format!("oncely_test_{name}_{id}"),
+            format!("oncely_test_{name}_group_{id}"),
+            format!("oncely_test_{name}_dlq_{id}"),
+        )
+        .await
+    }
+
+    /// Starts a client runtime and a producer (its group named after `name`) for a topic,
+    /// consumer group and dead-letter topic another process chose: a consumer process of a
+    /// chaos run joins the run's with this.
+    pub async fn with_names(name: &str, topic: String, group: String, dead_letter_topic: String) -> Self {
+        let id = oncely::Token::random();
         let runtime = OwnedClientRuntime::new(&format!("oncely-test-{name}")).expect("a client runtime");
         let mut producer = DefaultMQProducer::builder(runtime.client_runtime())
             .producer_group(format!("oncely_test_{name}_producer_{id}"))
@@ -48,9 +62,24 @@ impl ScratchRocketMq {
             runtime,
             producer: Arc::new(producer),
             consumers: Vec::new(),
-            topic: format!("oncely_test_{name}_{id}"),
-            group: format!("oncely_test_{name}_group_{id}"),
-            dead_letter_topic: format!("oncely_test_{name}_dlq_{id}"),
+            topic,
+            group,
+            dead_letter_topic,
+        }
+    }
+
+    /// Creates the topic and the dead-letter topic with `queues` queues each, before any
+    /// consumer subscribes: the broker would create them on their first message, but a
+    /// consumer subscribed before that only learns of them at its next route refresh
+    /// (30 s). Call it before handing the producer out.
+    pub async fn create_topics(&mut self, queues: i32) {
+        let producer = Arc::get_mut(&mut self.producer).expect("the producer not handed out yet");
+        let key = producer.create_topic_key().to_string();
+        for topic in [&self.topic, &self.dead_letter_topic] {
+            producer
+                .create_topic(&key, topic, queues, Default::default())
+                .await
+                .unwrap_or_else(|error| panic!("create the topic {topic}: {error}"));
         }
     }
 
@@ -66,12 +95,7 @@ impl ScratchRocketMq {
 
     /// A message for the test's topic.
     pub fn message(&self, keys: Option<&str>, body: &[u8]) -> Message {
-        let builder = Message::builder().topic(self.topic.as_str()).body_slice(body);
-        match keys {
-            Some(keys) => builder.key(keys),
-            None => builder,
-        }
-        .build_unchecked()
+        message(&self.topic, keys, body)
     }
 
     /// Sends `message` and waits for the broker to store it.
@@ -144,6 +168,9 @@ impl ScratchRocketMq {
             .consumer_group(group.to_owned())
             .name_server_addr(namesrv_addr())
             .consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset)
+            // The default, stated: the listener settles a batch as one, so a retry of one
+            // message would bring back every other message of its batch.
+            .consume_message_batch_max_size(1)
             .build();
         consumer.subscribe(topic, "*").await.expect("subscribe");
         consumer
@@ -166,6 +193,16 @@ impl ScratchRocketMq {
         }
         self.runtime.shutdown().await;
     }
+}
+
+/// A message for `topic` with `body` and, if given, `keys`.
+pub fn message(topic: &str, keys: Option<&str>, body: &[u8]) -> Message {
+    let builder = Message::builder().topic(topic).body_slice(body);
+    match keys {
+        Some(keys) => builder.key(keys),
+        None => builder,
+    }
+    .build_unchecked()
 }
 
 /// The value of `name` among `message`'s properties.

@@ -13,9 +13,9 @@
 //! statement, and poison messages that SIGKILL this process.
 
 use integration_tests::amqp::{amqp_addr, flag_only_orders_route, orders_route, test_topology};
-use integration_tests::chaos_stack::{FAULTS_ENV, HandlerFaults, chaos_flag_only_route, chaos_orders_route};
+use integration_tests::chaos_stack::{HandlerFaults, chaos_flag_only_route, chaos_orders_route};
 use integration_tests::postgres::schema_pool;
-use integration_tests::{redis_connection, redis_url};
+use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
 use lapin::{Connection, ConnectionProperties};
 use oncely::postgres::Table;
 use oncely::{BoxError, Envelope, Outcome, Route};
@@ -49,29 +49,6 @@ where
     }
 }
 
-/// Exits once the process that started this one is gone, so that consumers of a chaos run or
-/// a test interrupted before its cleanup do not run on forever.
-async fn exit_when_orphaned() {
-    let parent = std::os::unix::process::parent_id();
-    loop {
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-        if std::os::unix::process::parent_id() != parent {
-            std::process::exit(0);
-        }
-    }
-}
-
-/// The chaos run's handler faults, if `ONCELY_CHAOS_FAULTS` asks for the chaos stack; they
-/// are logged through a small pool of their own, outside the record's transaction.
-fn chaos_faults(schema: &str) -> Option<HandlerFaults> {
-    let percent = std::env::var(FAULTS_ENV).ok()?;
-    let percent = percent.parse::<f64>().unwrap_or_else(|error| {
-        eprintln!("{FAULTS_ENV}={percent:?}: {error}");
-        std::process::exit(2);
-    });
-    Some(HandlerFaults::new(percent, schema_pool(schema, 2)))
-}
-
 #[tokio::main]
 async fn main() {
     tokio::spawn(exit_when_orphaned());
@@ -92,7 +69,7 @@ async fn main() {
     let redis = redis_connection(&redis_url()).await;
     let pool = schema_pool(schema, 8);
     let records = || Table::new(schema, "consumption_record").expect("a valid schema");
-    match (stack, chaos_faults(schema)) {
+    match (stack, HandlerFaults::from_env(schema)) {
         ("full", None) => consume(orders_route(pool, records(), redis, prefix), queue, name).await,
         ("full", Some(faults)) => {
             let route = chaos_orders_route(pool, records(), redis, prefix, faults);

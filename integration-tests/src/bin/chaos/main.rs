@@ -1,37 +1,62 @@
-//! Run with: `make chaos` (the full run, then the flag-only run for comparison), or
-//! `cargo run -p integration-tests --bin chaos -- [--messages N] [--keys K] [--stack full|flag-only]
-//! [--rate PER_SECOND] [--fault-every-ms MS] [--handler-faults PERCENT] [--poison P]
-//! [--time-limit-s S] [--report-only]` (build `amqp_consumer` first; it is started from the
-//! same directory as this binary).
+//! Run with: `make chaos` (the RabbitMQ run of the full stack, the same with the flag alone
+//! for comparison, then the RocketMQ run), or `cargo run -p integration-tests --bin chaos --
+//! [--broker amqp|rocketmq] [--messages N] [--keys K] [--stack full|flag-only]
+//! [--rate PER_SECOND] [--fault-every-ms MS] [--broker-restart-every-s S]
+//! [--handler-faults PERCENT] [--poison P] [--time-limit-s S] [--report-only]` (build
+//! `amqp_consumer` and `rocketmq_consumer` first; they are started from the same directory
+//! as this binary).
 //!
 //! The fault-injection ledger run. A publisher sends N messages over K business keys — each
 //! key once, the rest duplicates: half producer retries (the same message id), half re-sent
 //! orders (a new id, the same key) — plus P poison messages, and keeps its own ledger of
-//! what it sent. Four consumers in two OS processes (`amqp_consumer`) run the
-//! stock-deduction stack of `integration_tests::chaos_stack` behind a `tower::timeout`,
-//! writing each effect as two rows in two statements. While they run, faults are injected:
+//! what it sent. Two consumer processes run a stack of `integration_tests::chaos_stack`
+//! behind a `tower::timeout`, writing each effect as two rows in two statements:
 //!
-//! - by this process, in turn: SIGKILL of a consumer process (restarted at once), Redis
-//!   stopped for a second and restarted empty, Redis flushed, the consumers' PostgreSQL
-//!   connections terminated, their AMQP connections closed by the broker;
+//! - `--broker amqp` (the default): RabbitMQ, two runners per process (`amqp_consumer`) on
+//!   the stock-deduction stack (Redis flag, Redis lock, PostgreSQL record), or with
+//!   `--stack flag-only` the Redis flag alone;
+//! - `--broker rocketmq`: RocketMQ, one push consumer per process (`rocketmq_consumer`) with
+//!   oncely's concurrent listener on the `rocketmq-points` stack (a delivery limit counted in
+//!   Redis, the Redis flag, the PostgreSQL record), keyed by KEYS; smaller and slower by
+//!   default (10,000 messages over 2,000 keys at 100 a second).
+//!
+//! While they run, faults are injected:
+//!
+//! - by this process, in turn every `--fault-every-ms`: SIGKILL of a consumer process
+//!   (restarted at once), Redis stopped for a second and restarted empty, Redis flushed, the
+//!   consumers' PostgreSQL connections terminated, and with RabbitMQ the consumers'
+//!   connections closed by the broker. With RocketMQ, the broker process is SIGKILLed and
+//!   started again from its store (`integration-tests/services.sh`, which also starts it
+//!   should the run end while it is down) on a period of its own: its clients refuse to
+//!   reconnect for 30 s after it (see `rocketmq::CLIENT_LOCKOUT`);
 //! - by the handler, on a random share of its calls (PERCENT % each, default 0.5): a panic
 //!   between the two writes, a sleep past the timeout between them, a failed statement
 //!   ignored before returning `Ok`; and on each poison message, a SIGKILL of its own
 //!   process, which this process notices and restarts.
 //!
-//! Redis is an instance of the run's own on a free port; PostgreSQL and RabbitMQ are the
-//! shared servers, where the run touches only its own schema, queues and connections (found
-//! by name).
+//! Redis is an instance of the run's own on a free port (with RocketMQ, a second one, left
+//! alone by the faults, holds the delivery counts); PostgreSQL and the broker are the shared
+//! servers, where the run touches only its own schema, queues or topics and consumer group,
+//! and connections (found by name).
 //!
-//! When every key is applied and the queues are empty (or the time limit passes), the
-//! business table is compared with the ledger. Exits 1 if a key is missing, applied more
-//! than once or applied in part, a poison message was not dead-lettered as
-//! `delivery_limit`, a 5-second window between the first panic and the last message sent
-//! applied nothing (a stalled consumer), or a kind of handler fault asked for never took
-//! effect — unless `--report-only` (used for the flag-only run, which is expected to fail).
+//! The faults stop once the last message is sent and, with RabbitMQ, every key is applied
+//! (RocketMQ's retries back off to minutes; faults past the last message would only stretch
+//! that tail). The run then waits, without faults, until it is quiet — with RabbitMQ: the
+//! queues empty; with RocketMQ, which has no such queue to watch: every key applied, every
+//! poison message dead-lettered, and one broker retry round (15 s) without a change — or the
+//! time limit passes, and compares the business table with the ledger. Exits 1 if a key is
+//! missing, applied more than once or applied in part, a poison message was not
+//! dead-lettered as `delivery_limit`, a 5-second window between the first panic and the last
+//! message sent applied nothing (a stalled consumer; windows within a RocketMQ broker
+//! restart's client lockout are left out), or a kind of fault (outside or in the handler)
+//! asked for never took effect — unless `--report-only` (used for the flag-only run, which
+//! is expected to fail).
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
+mod amqp;
+mod report;
+mod rocketmq;
+
+use std::collections::BTreeMap;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -39,18 +64,13 @@ use std::time::{Duration, Instant, SystemTime};
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::Row;
 use deadpool_postgres::tokio_postgres::types::ToSql;
-use integration_tests::amqp::{close_connections_named, connect, drain, scratch_topology};
-use integration_tests::chaos_stack::{FAULTS_ENV, HANDLER_TIMEOUT, HandlerFault, TABLES};
+use integration_tests::chaos_stack::{FAULTS_ENV, HandlerFault, TABLES};
 use integration_tests::postgres::{ScratchSchema, database_url, pool};
 use integration_tests::redis_server::ScratchRedis;
-use integration_tests::thousands;
-use lapin::Channel;
-use lapin::message::BasicGetMessage;
-use lapin::types::AMQPValue;
-use oncely_amqp::{Producer, REASON_HEADER, Topology};
+use report::{DeadLetters, Ledger, Report, Throughput};
 use tokio::task::JoinHandle;
 
-/// Consumer processes, each running two consumers.
+/// Consumer processes.
 const PROCESSES: usize = 2;
 
 /// The throughput window, in seconds: longer than the pauses the faults cause by design (Redis
@@ -65,8 +85,34 @@ const DELIVERY_LIMIT: &str = "delivery_limit";
 /// How often a consumer process that died on its own is looked for and restarted.
 const SUPERVISION_PERIOD: Duration = Duration::from_millis(100);
 
+/// The broker a run goes through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BrokerKind {
+    Amqp,
+    RocketMq,
+}
+
+impl BrokerKind {
+    fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "amqp" => Ok(BrokerKind::Amqp),
+            "rocketmq" => Ok(BrokerKind::RocketMq),
+            _ => Err("--broker is amqp or rocketmq".into()),
+        }
+    }
+
+    /// A new message id, as the broker's producers make them.
+    fn new_message_id(self) -> String {
+        match self {
+            BrokerKind::Amqp => amqp::new_message_id(),
+            BrokerKind::RocketMq => rocketmq::new_message_id(),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Options {
+    broker: BrokerKind,
     messages: usize,
     keys: usize,
     poison: usize,
@@ -75,24 +121,44 @@ struct Options {
     stack: String,
     rate: u64,
     fault_every: Duration,
+    /// RocketMQ: how often the broker is restarted, apart from the other faults.
+    broker_restart_every: Duration,
     time_limit: Duration,
     report_only: bool,
 }
 
 impl Options {
-    fn parse() -> Result<Self, String> {
-        let mut options = Options {
-            messages: 50_000,
-            keys: 10_000,
+    /// The defaults of `make chaos`' run on `broker`. RocketMQ brings a retried message back
+    /// after 10 s at the earliest and restarting its broker takes seconds, so its run is
+    /// smaller and slower, to end in a few minutes.
+    fn defaults(broker: BrokerKind) -> Self {
+        let (messages, keys, rate, fault_every_ms) = match broker {
+            BrokerKind::Amqp => (50_000, 10_000, 2_000, 500),
+            BrokerKind::RocketMq => (10_000, 2_000, 100, 1_000),
+        };
+        Options {
+            broker,
+            messages,
+            keys,
             poison: 5,
             handler_faults: 0.5,
             stack: "full".into(),
-            rate: 2_000,
-            fault_every: Duration::from_millis(500),
+            rate,
+            fault_every: Duration::from_millis(fault_every_ms),
+            broker_restart_every: Duration::from_secs(45),
             time_limit: Duration::from_secs(600),
             report_only: false,
+        }
+    }
+
+    fn parse() -> Result<Self, String> {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let broker = match args.iter().position(|arg| arg == "--broker") {
+            Some(at) => BrokerKind::parse(args.get(at + 1).map_or("", String::as_str))?,
+            None => BrokerKind::Amqp,
         };
-        let mut args = std::env::args().skip(1);
+        let mut options = Options::defaults(broker);
+        let mut args = args.into_iter();
         while let Some(flag) = args.next() {
             let mut value = || args.next().ok_or(format!("{flag} needs a value"));
             let number = |text: String| text.parse::<u64>().map_err(|error| format!("{flag}: {error}"));
@@ -101,6 +167,7 @@ impl Options {
                 _ => Err(format!("{flag}: a percentage from 0 to 33")),
             };
             match flag.as_str() {
+                "--broker" => drop(value()?),
                 "--messages" => options.messages = number(value()?)? as usize,
                 "--keys" => options.keys = number(value()?)? as usize,
                 "--poison" => options.poison = number(value()?)? as usize,
@@ -108,18 +175,27 @@ impl Options {
                 "--stack" => options.stack = value()?,
                 "--rate" => options.rate = number(value()?)?.max(1),
                 "--fault-every-ms" => options.fault_every = Duration::from_millis(number(value()?)?),
+                "--broker-restart-every-s" => {
+                    options.broker_restart_every = Duration::from_secs(number(value()?)?.max(1));
+                }
                 "--time-limit-s" => options.time_limit = Duration::from_secs(number(value()?)?),
                 "--report-only" => options.report_only = true,
                 other => return Err(format!("unknown option {other}")),
             }
         }
-        if options.keys == 0 || options.messages < options.keys {
+        options.check()?;
+        Ok(options)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.keys == 0 || self.messages < self.keys {
             return Err("--messages must be at least --keys, and --keys at least 1".into());
         }
-        if !["full", "flag-only"].contains(&options.stack.as_str()) {
-            return Err("--stack is full or flag-only".into());
+        match (self.broker, self.stack.as_str()) {
+            (BrokerKind::Amqp, "full" | "flag-only") | (BrokerKind::RocketMq, "full") => Ok(()),
+            (BrokerKind::Amqp, _) => Err("--stack is full or flag-only".into()),
+            (BrokerKind::RocketMq, _) => Err("--broker rocketmq runs the full stack only".into()),
         }
-        Ok(options)
     }
 }
 
@@ -158,7 +234,8 @@ impl Message {
     }
 }
 
-/// What the publisher sends, in order:
+/// What the publisher sends, in order, each with its message id (made as `broker`'s
+/// producers make them):
 /// - each key once under its own message id, spread evenly over the run, so that new
 ///   effects keep arriving for as long as the publisher runs (the throughput windows count
 ///   them);
@@ -168,6 +245,7 @@ impl Message {
 /// - the poison messages spread over the first four fifths, so that orders keep flowing
 ///   after each of them.
 fn plan(options: &Options) -> Vec<(Message, String)> {
+    let new_id = || options.broker.new_message_id();
     let recent = (options.keys / 10).max(1);
     let mut ids: Vec<String> = Vec::with_capacity(options.keys);
     let mut plan = Vec::with_capacity(options.messages + options.poison);
@@ -175,7 +253,7 @@ fn plan(options: &Options) -> Vec<(Message, String)> {
         // Exactly `keys` of the `messages` slots, evenly spaced, the first one among them.
         let original = slot * options.keys % options.messages < options.keys;
         let (key, id) = if original {
-            ids.push(Producer::new_message_id());
+            ids.push(new_id());
             (ids.len() - 1, ids[ids.len() - 1].clone())
         } else {
             let copy = slot - ids.len();
@@ -183,7 +261,7 @@ fn plan(options: &Options) -> Vec<(Message, String)> {
             let id = if copy.is_multiple_of(2) {
                 ids[key].clone()
             } else {
-                Producer::new_message_id()
+                new_id()
             };
             (key, id)
         };
@@ -192,7 +270,7 @@ fn plan(options: &Options) -> Vec<(Message, String)> {
     // From the last position back, so that each insertion leaves the earlier ones in place.
     for poison in (0..options.poison).rev() {
         let at = plan.len() * 4 * (poison + 1) / (5 * (options.poison + 1));
-        plan.insert(at, (Message::Poison(poison), Producer::new_message_id()));
+        plan.insert(at, (Message::Poison(poison), new_id()));
     }
     plan
 }
@@ -200,6 +278,8 @@ fn plan(options: &Options) -> Vec<(Message, String)> {
 /// The consumer processes: restarted after each kill, and whenever one dies on its own.
 struct Consumers {
     processes: Vec<Child>,
+    /// The consumer binary, beside this one.
+    binary: &'static str,
     command: Vec<String>,
     environment: Vec<(&'static str, String)>,
 }
@@ -208,7 +288,7 @@ impl Consumers {
     fn spawn(&self) -> Child {
         let binary = std::env::current_exe()
             .expect("the path of this binary")
-            .with_file_name("amqp_consumer");
+            .with_file_name(self.binary);
         Command::new(&binary)
             .args(&self.command)
             .envs(self.environment.iter().map(|(name, value)| (name, value)))
@@ -254,16 +334,29 @@ enum Fault {
     FlushRedis,
     TerminatePostgres,
     DropAmqp,
+    RestartBroker,
 }
 
 impl Fault {
-    const ALL: [Fault; 5] = [
-        Fault::KillConsumer,
-        Fault::RestartRedis,
-        Fault::FlushRedis,
-        Fault::TerminatePostgres,
-        Fault::DropAmqp,
-    ];
+    /// The faults of a run on `broker`, in the order they are injected.
+    fn of(broker: BrokerKind) -> &'static [Fault] {
+        match broker {
+            BrokerKind::Amqp => &[
+                Fault::KillConsumer,
+                Fault::RestartRedis,
+                Fault::FlushRedis,
+                Fault::TerminatePostgres,
+                Fault::DropAmqp,
+            ],
+            BrokerKind::RocketMq => &[
+                Fault::KillConsumer,
+                Fault::RestartRedis,
+                Fault::FlushRedis,
+                Fault::TerminatePostgres,
+                Fault::RestartBroker,
+            ],
+        }
+    }
 
     fn name(self) -> &'static str {
         match self {
@@ -272,123 +365,177 @@ impl Fault {
             Fault::FlushRedis => "Redis FLUSHALL",
             Fault::TerminatePostgres => "pg_terminate_backend",
             Fault::DropAmqp => "AMQP connections closed",
+            Fault::RestartBroker => "broker SIGKILL+restart",
         }
     }
 }
 
-/// Messages (ready and unacknowledged) in the run's work, suspect and retry queues.
-fn messages_in_queues(topology: &Topology) -> Option<u64> {
-    let listed = Command::new("rabbitmqctl")
-        .args(["list_queues", "-q", "--no-table-headers", "name", "messages"])
-        .output()
-        .ok()?;
-    let listing = String::from_utf8_lossy(&listed.stdout);
-    let mut total = 0;
-    for line in listing.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(name), Some(count)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        if name.starts_with(topology.queue()) && name != topology.dead_letter_queue() {
-            total += count.parse::<u64>().ok()?;
+/// When the outside faults come: the broker's faults in turn, one every `--fault-every-ms`,
+/// except the broker restart, which comes on its own period. A restarted RocketMQ broker
+/// locks its clients out for [`rocketmq::CLIENT_LOCKOUT`], so restarts in the rotation would
+/// keep them locked out nearly all the time.
+struct Schedule {
+    rotation: Vec<Fault>,
+    turn: usize,
+    every: Duration,
+    next: Instant,
+    /// The broker restart's period and when it is next due, on RocketMQ.
+    restart: Option<(Duration, Instant)>,
+}
+
+impl Schedule {
+    fn new(options: &Options) -> Self {
+        let faults = Fault::of(options.broker);
+        let now = Instant::now();
+        Schedule {
+            rotation: faults
+                .iter()
+                .copied()
+                .filter(|fault| *fault != Fault::RestartBroker)
+                .collect(),
+            turn: 0,
+            every: options.fault_every,
+            next: now + options.fault_every,
+            // The first one three quarters through the publisher's planned time at the
+            // latest, so that it falls while messages arrive, after throughput windows that
+            // its clients' lockout leaves alone.
+            restart: faults.contains(&Fault::RestartBroker).then(|| {
+                let every = options.broker_restart_every;
+                let publishing = Duration::from_secs_f64(options.messages as f64 / options.rate as f64);
+                (every, now + every.min(publishing * 3 / 4))
+            }),
         }
     }
-    Some(total)
-}
 
-/// The business table against the publisher's ledger, per order key.
-#[derive(Clone, Copy, Debug, Default)]
-struct Ledger {
-    /// First parts written: one per effect applied.
-    effects: i64,
-    /// Keys with at least one part.
-    applied_keys: i64,
-    /// Keys with either part written more than once.
-    doubled: i64,
-    /// Keys with more of one part than of the other: an effect applied in half.
-    partial: i64,
-}
-
-/// Effects applied per throughput window between the first handler panic and the last
-/// message sent; none without a panic, or with less than a window between the two.
-#[derive(Clone, Debug, Default)]
-struct Throughput {
-    windows: Vec<i64>,
-}
-
-impl Throughput {
-    /// The fewest effects applied in one window.
-    fn lowest(&self) -> Option<i64> {
-        self.windows.iter().copied().min()
+    /// The fault due now, if any; the next one of its kind is due a period after `now`.
+    fn due(&mut self, now: Instant) -> Option<Fault> {
+        if let Some((every, next)) = &mut self.restart
+            && now >= *next
+        {
+            *next = now + *every;
+            return Some(Fault::RestartBroker);
+        }
+        if now < self.next || self.rotation.is_empty() {
+            return None;
+        }
+        self.next = now + self.every;
+        self.turn += 1;
+        Some(self.rotation[(self.turn - 1) % self.rotation.len()])
     }
 }
 
-/// What the dead-letter queue held at the end.
-#[derive(Debug, Default)]
-struct DeadLetters {
-    by_code: BTreeMap<String, u64>,
-    /// Poison keys dead-lettered with [`DELIVERY_LIMIT`].
-    poison_at_limit: BTreeSet<String>,
+/// A consumer binary, its arguments and environment variables.
+type ConsumerCommand = (&'static str, Vec<String>, Vec<(&'static str, String)>);
+
+/// What differs between the brokers: where messages go, how the consumers are started,
+/// when the run is quiet, where dead letters are read.
+enum Broker {
+    Amqp(amqp::Amqp),
+    RocketMq(Box<rocketmq::RocketMq>),
 }
 
-impl DeadLetters {
-    /// Takes every message from `topology`'s dead-letter queue and sorts it by reason.
-    async fn drain(channel: &Channel, topology: &Topology) -> Self {
-        let mut dead = DeadLetters::default();
-        for message in drain(channel, &topology.dead_letter_queue()).await {
-            let code = reason_code(&message);
-            if code == DELIVERY_LIMIT
-                && let Some(key) = poison_key(&message)
-            {
-                dead.poison_at_limit.insert(key);
+impl Broker {
+    async fn start(kind: BrokerKind) -> Self {
+        match kind {
+            BrokerKind::Amqp => Broker::Amqp(amqp::Amqp::start().await),
+            BrokerKind::RocketMq => Broker::RocketMq(Box::new(rocketmq::RocketMq::start().await)),
+        }
+    }
+
+    /// The consumer binary, its arguments, and its environment beside the run's own.
+    fn consumer(&self, schema: &str, prefix: &str, stack: &str, name: &str) -> ConsumerCommand {
+        match self {
+            Broker::Amqp(amqp) => (
+                "amqp_consumer",
+                amqp.consumer_args(schema, prefix, stack, name),
+                Vec::new(),
+            ),
+            Broker::RocketMq(rocketmq) => (
+                "rocketmq_consumer",
+                rocketmq.consumer_args(schema, prefix),
+                rocketmq.consumer_environment(),
+            ),
+        }
+    }
+
+    async fn publisher(&self) -> Publisher {
+        match self {
+            Broker::Amqp(amqp) => Publisher::Amqp(Box::new(amqp.publisher().await)),
+            Broker::RocketMq(rocketmq) => Publisher::RocketMq(rocketmq.publisher()),
+        }
+    }
+
+    /// Whether the outside faults go on after the last message was sent, until every key
+    /// is applied: with RabbitMQ, whose retries come back within a second; not with
+    /// RocketMQ, whose retries back off by the broker's delay levels (10 s, 30 s, 1 min,
+    /// 2 min, …), so that faults past the last message would only stretch that tail.
+    fn faults_after_publishing(&self) -> bool {
+        matches!(self, Broker::Amqp(_))
+    }
+
+    /// True when nothing is left to answer but what the ledger already shows (see the
+    /// crate docs), at [`quiet_checks`](Self::quiet_checks) checks in a row, a second apart.
+    /// RabbitMQ: the run's queues are empty. RocketMQ: every key is applied and every
+    /// poison message dead-lettered.
+    async fn idle(&self, options: &Options, ledger: &Ledger) -> bool {
+        match self {
+            Broker::Amqp(amqp) => amqp.idle().await,
+            Broker::RocketMq(rocketmq) => {
+                ledger.applied_keys >= options.keys as i64 && rocketmq.idle(options.poison)
             }
-            *dead.by_code.entry(code).or_default() += 1;
         }
-        dead
+    }
+
+    /// RabbitMQ: three (the queues stay empty). RocketMQ: fifteen, longer than its first
+    /// retry delay (10 s), so copies sent back meanwhile are answered.
+    fn quiet_checks(&self) -> usize {
+        match self {
+            Broker::Amqp(_) => 3,
+            Broker::RocketMq(_) => 15,
+        }
+    }
+
+    /// The dead letters; the run's queues deleted, or its client shut down.
+    async fn finish(self) -> DeadLetters {
+        match self {
+            Broker::Amqp(amqp) => amqp.finish().await,
+            Broker::RocketMq(rocketmq) => rocketmq.finish().await,
+        }
     }
 }
 
-/// The code of a dead letter's reason header (`code: detail`), read as text so the run does
-/// not depend on the middleware's reason types.
-fn reason_code(message: &BasicGetMessage) -> String {
-    let reason = message
-        .delivery
-        .properties
-        .headers()
-        .as_ref()
-        .and_then(|headers| match headers.inner().get(REASON_HEADER) {
-            Some(AMQPValue::LongString(text)) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
-            _ => None,
-        });
-    match reason {
-        Some(reason) => reason.split(':').next().unwrap_or_default().to_owned(),
-        None => "no reason".into(),
+/// Sends the plan's messages to the run's queue or topic.
+enum Publisher {
+    Amqp(Box<amqp::Publisher>),
+    RocketMq(rocketmq::Publisher),
+}
+
+impl Publisher {
+    /// Sends `message` under `id` and waits until the broker stored it.
+    async fn send(&self, message: Message, id: &str) {
+        let (body, key) = (message.body(), message.key());
+        match self {
+            Publisher::Amqp(publisher) => publisher.send(&body, &key, id).await,
+            Publisher::RocketMq(publisher) => publisher.send(&body, &key, id).await,
+        }
     }
 }
 
-/// The key of a dead-lettered poison message, read from its body.
-fn poison_key(message: &BasicGetMessage) -> Option<String> {
-    let body: serde_json::Value = serde_json::from_slice(&message.delivery.data).ok()?;
-    if body.pointer("/poison")?.as_bool()? {
-        Some(body.pointer("/orderId")?.as_str()?.to_owned())
-    } else {
-        None
-    }
-}
-
-/// Fields drop in order: the consumers stop before their Redis and schema go away.
+/// Fields drop in order: the consumers stop before the broker side, their Redis and schema
+/// go away.
 struct Run {
     consumers: Consumers,
+    broker: Broker,
     redis: ScratchRedis,
     schema: ScratchSchema,
-    topology: Topology,
     /// The run's own PostgreSQL pool, not terminated by the faults.
     pool: Pool,
-    channel: Channel,
     /// Names the consumers' PostgreSQL (`application_name`) and AMQP connections, so the
     /// faults hit only them.
     name: String,
     faults: BTreeMap<Fault, u32>,
+    /// From each broker restart to the end of its clients' lockout.
+    lockouts: Vec<(SystemTime, SystemTime)>,
     /// Consumer processes that died on their own and were restarted.
     crashes: usize,
 }
@@ -399,43 +546,36 @@ impl Run {
         let pool = pool(2);
         let schema = ScratchSchema::new(&pool).await;
         schema.execute(TABLES).await;
-        let topology = scratch_topology("chaos");
-        let channel = connect()
-            .await
-            .expect("RabbitMQ")
-            .create_channel()
-            .await
-            .expect("a channel");
-        topology.declare(&channel).await.expect("declare the queues");
+        let broker = Broker::start(options.broker).await;
         let redis = ScratchRedis::start();
         let name = format!("oncely-chaos-{id}");
         let url = database_url();
         let separator = if url.contains('?') { '&' } else { '?' };
+        let (binary, command, environment) =
+            broker.consumer(schema.name(), &format!("chaos-{id}"), &options.stack, &name);
         let mut consumers = Consumers {
             processes: Vec::new(),
-            command: vec![
-                topology.queue().to_owned(),
-                schema.name().to_owned(),
-                format!("chaos-{id}"),
-                options.stack.clone(),
-                name.clone(),
-            ],
-            environment: vec![
+            binary,
+            command,
+            environment: [
                 ("REDIS_URL", redis.url()),
                 ("DATABASE_URL", format!("{url}{separator}application_name={name}")),
                 (FAULTS_ENV, options.handler_faults.to_string()),
-            ],
+            ]
+            .into_iter()
+            .chain(environment)
+            .collect(),
         };
         consumers.processes = (0..PROCESSES).map(|_| consumers.spawn()).collect();
         Run {
             consumers,
+            broker,
             redis,
             schema,
-            topology,
             pool,
-            channel,
             name,
             faults: BTreeMap::new(),
+            lockouts: Vec::new(),
             crashes: 0,
         }
     }
@@ -471,13 +611,8 @@ impl Run {
             }
             Fault::FlushRedis => self.flush_redis().await,
             Fault::TerminatePostgres => self.terminate_postgres().await,
-            Fault::DropAmqp => {
-                let name = self.name.clone();
-                tokio::task::spawn_blocking(move || close_connections_named(&name))
-                    .await
-                    .unwrap_or(0)
-                    > 0
-            }
+            Fault::DropAmqp => amqp::close_connections(&self.name).await,
+            Fault::RestartBroker => self.restart_broker().await,
         };
         if took_effect {
             *self.faults.entry(fault).or_default() += 1;
@@ -513,41 +648,58 @@ impl Run {
         terminated.await.unwrap_or(0) > 0
     }
 
-    /// Injects the faults in turn until every key is applied after the publisher finished,
-    /// or the deadline passes.
-    async fn inject_until_applied(
+    /// Restarts the RocketMQ broker, restarting consumer processes that die meanwhile, and
+    /// notes when its clients are locked out; true if a broker was killed.
+    async fn restart_broker(&mut self) -> bool {
+        let began = SystemTime::now();
+        let restart = tokio::task::spawn_blocking(rocketmq::restart_broker);
+        while !restart.is_finished() {
+            self.supervise_for(SUPERVISION_PERIOD).await;
+        }
+        let killed = restart.await.unwrap_or(false);
+        if killed {
+            self.lockouts
+                .push((began, SystemTime::now() + rocketmq::CLIENT_LOCKOUT));
+        }
+        killed
+    }
+
+    /// Injects the faults as they come due until the publisher finished and, with RabbitMQ,
+    /// every key is applied (see [`Broker::faults_after_publishing`]), or the deadline
+    /// passes.
+    async fn inject_faults(
         &mut self,
         options: &Options,
         publishing: &JoinHandle<SystemTime>,
         deadline: Instant,
     ) {
-        let mut next_fault = Instant::now() + options.fault_every;
-        let mut turn = 0;
+        let mut schedule = Schedule::new(options);
+        let until_applied = self.broker.faults_after_publishing();
         while Instant::now() < deadline {
             self.supervise_for(Duration::from_millis(250)).await;
-            if publishing.is_finished() && self.ledger().await.applied_keys >= options.keys as i64 {
+            if publishing.is_finished()
+                && (!until_applied || self.ledger().await.applied_keys >= options.keys as i64)
+            {
                 break;
             }
-            if Instant::now() >= next_fault {
-                self.inject(Fault::ALL[turn % Fault::ALL.len()]).await;
-                turn += 1;
-                next_fault = Instant::now() + options.fault_every;
+            if let Some(fault) = schedule.due(Instant::now()) {
+                self.inject(fault).await;
             }
         }
     }
 
-    /// Waits, without faults, until every copy still queued or in a retry or suspect queue
-    /// is answered: the queues empty at three checks in a row, a second apart.
-    async fn wait_until_quiet(&mut self, deadline: Instant) {
+    /// Waits, without faults, until the broker side is idle at enough checks in a row, a
+    /// second apart (see [`Broker::idle`]).
+    async fn wait_until_quiet(&mut self, options: &Options, deadline: Instant) {
         let mut quiet_checks = 0;
-        while Instant::now() < deadline && quiet_checks < 3 {
+        while Instant::now() < deadline && quiet_checks < self.broker.quiet_checks() {
             self.supervise_for(Duration::from_secs(1)).await;
-            let topology = self.topology.clone();
-            let queued = tokio::task::spawn_blocking(move || messages_in_queues(&topology))
-                .await
-                .ok()
-                .flatten();
-            quiet_checks = if queued == Some(0) { quiet_checks + 1 } else { 0 };
+            let ledger = self.ledger().await;
+            quiet_checks = if self.broker.idle(options, &ledger).await {
+                quiet_checks + 1
+            } else {
+                0
+            };
         }
     }
 
@@ -583,9 +735,10 @@ impl Run {
 
     /// Effects applied per window, in whole windows counted back from `published` (when the
     /// last message was sent) to the first panic that took effect, every window counted,
-    /// also the empty ones. While messages arrive, new keys keep arriving, so a healthy
-    /// consumer applies some in every window; after the last one, only the retries of a
-    /// few keys are left, some waiting out a lease, and a quiet window there is no stall.
+    /// also the empty ones, except those that overlap a broker restart's lockout (no client
+    /// can reach the broker then). While messages arrive, new keys keep arriving, so a
+    /// healthy consumer applies some in every window; after the last one, only the retries
+    /// of a few keys are left, some waiting out a lease, and a quiet window there is no stall.
     async fn throughput(&self, published: SystemTime) -> Throughput {
         let rows = self
             .query(
@@ -599,16 +752,25 @@ impl Run {
                           generate_series(0, floor(extract(epoch FROM stop - start) / $2)::int - 1) AS n
                      WHERE stop > start
                  )
-                 SELECT count(m.id) AS applied
+                 SELECT w.opens, count(m.id) AS applied
                  FROM windows w LEFT JOIN {schema}.stock_moves m
                    ON m.part = 1 AND m.created_at >= w.opens AND m.created_at < w.opens + w.width
                  GROUP BY w.opens ORDER BY w.opens",
                 &[&HandlerFault::Panic.code(), &(WINDOW_SECONDS as f64), &published],
             )
             .await;
-        Throughput {
-            windows: rows.iter().map(|row| row.get(0)).collect(),
+        let width = Duration::from_secs(WINDOW_SECONDS as u64);
+        let locked_out =
+            |opens: SystemTime| (self.lockouts.iter()).any(|(from, to)| opens < *to && opens + width > *from);
+        let mut throughput = Throughput::default();
+        for row in &rows {
+            if locked_out(row.get(0)) {
+                throughput.locked_out += 1;
+            } else {
+                throughput.windows.push(row.get(1));
+            }
         }
+        throughput
     }
 
     /// The handler faults that took effect, per kind, as the consumers logged them.
@@ -624,24 +786,29 @@ impl Run {
             .collect()
     }
 
-    /// Everything the report needs, then the queues deleted.
+    /// Everything the report needs; then the consumers stopped and the broker side
+    /// finished (queues deleted, or client shut down).
     async fn finish(self, options: &Options, started: Instant, published: SystemTime) -> Report {
         let ledger = self.ledger().await;
         let throughput = self.throughput(published).await;
         let handler_faults = self.handler_faults().await;
-        let dead = DeadLetters::drain(&self.channel, &self.topology).await;
-        self.topology
-            .delete(&self.channel)
-            .await
-            .expect("delete the queues");
+        let Run {
+            consumers,
+            broker,
+            faults,
+            crashes,
+            ..
+        } = self;
+        drop(consumers);
+        let dead = broker.finish().await;
         Report {
             options: options.clone(),
             ledger,
             throughput,
             dead,
-            faults: self.faults,
+            faults,
             handler_faults,
-            crashes: self.crashes,
+            crashes,
             wall_time: started.elapsed(),
             timed_out: started.elapsed() >= options.time_limit,
         }
@@ -649,28 +816,25 @@ impl Run {
 }
 
 /// Publishes the plan at `rate` messages a second on eight concurrent publishers sharing
-/// one confirmed channel, so that the faults fall while messages still arrive; answers when
-/// the last message was confirmed.
-async fn publish(plan: Vec<(Message, String)>, queue: String, rate: u64) -> SystemTime {
-    let producer = Arc::new(Producer::new(connect().await.expect("RabbitMQ")));
+/// one publisher (one confirmed channel, or one producer), so that the faults fall while
+/// messages still arrive; answers when the last message was stored.
+async fn publish(plan: Vec<(Message, String)>, publisher: Publisher, rate: u64) -> SystemTime {
+    let publisher = Arc::new(publisher);
     let plan = Arc::new(plan);
-    let publishers: Vec<_> = (0..8)
+    let lanes: Vec<_> = (0..8)
         .map(|lane| {
-            let (producer, plan, queue) = (producer.clone(), plan.clone(), queue.clone());
+            let (publisher, plan) = (publisher.clone(), plan.clone());
             tokio::spawn(async move {
                 let mut pace = tokio::time::interval(Duration::from_secs_f64(8.0 / rate as f64));
                 for (message, id) in plan.iter().skip(lane).step_by(8) {
                     pace.tick().await;
-                    producer
-                        .publish_with_id(id, "", &queue, &message.body(), Some(&message.key()))
-                        .await
-                        .expect("publish");
+                    publisher.send(*message, id).await;
                 }
             })
         })
         .collect();
-    for publisher in publishers {
-        publisher.await.expect("a publisher");
+    for lane in lanes {
+        lane.await.expect("a publisher");
     }
     SystemTime::now()
 }
@@ -683,203 +847,6 @@ async fn stop_publishing(publishing: JoinHandle<SystemTime>) -> SystemTime {
     } else {
         publishing.abort();
         SystemTime::now()
-    }
-}
-
-/// The run's outcome against the ledger, and the faults it went through.
-struct Report {
-    options: Options,
-    ledger: Ledger,
-    throughput: Throughput,
-    dead: DeadLetters,
-    faults: BTreeMap<Fault, u32>,
-    handler_faults: BTreeMap<HandlerFault, i64>,
-    crashes: usize,
-    wall_time: Duration,
-    timed_out: bool,
-}
-
-impl Report {
-    fn missing(&self) -> i64 {
-        self.options.keys as i64 - self.ledger.applied_keys
-    }
-
-    /// The table's rows: measure and value.
-    fn rows(&self) -> Vec<(&'static str, String)> {
-        let (options, ledger) = (&self.options, &self.ledger);
-        let duplicates = options.messages - options.keys;
-        let mut rows = vec![
-            (
-                "messages sent",
-                format!(
-                    "{} + {} poison",
-                    thousands(options.messages as f64),
-                    options.poison
-                ),
-            ),
-            ("distinct keys", thousands(options.keys as f64)),
-            (
-                "duplicates sent",
-                format!(
-                    "{} ({:.0} %): {} producer retries (same id), {} re-sent (new id)",
-                    thousands(duplicates as f64),
-                    100.0 * duplicates as f64 / options.messages as f64,
-                    thousands(duplicates.div_ceil(2) as f64),
-                    thousands((duplicates / 2) as f64)
-                ),
-            ),
-            ("effects applied", thousands(ledger.effects as f64)),
-            ("missing keys", self.missing().to_string()),
-            ("keys applied more than once", thousands(ledger.doubled as f64)),
-            (
-                "partial effects (one of two rows)",
-                thousands(ledger.partial as f64),
-            ),
-        ];
-        rows.extend(self.fault_rows());
-        rows.push((
-            "wall time",
-            format!(
-                "{:.0} s{}",
-                self.wall_time.as_secs_f64(),
-                if self.timed_out {
-                    " (time limit reached)"
-                } else {
-                    ""
-                }
-            ),
-        ));
-        rows
-    }
-
-    /// The rows about dead letters, poison messages, throughput and the faults.
-    fn fault_rows(&self) -> Vec<(&'static str, String)> {
-        let dead_total: u64 = self.dead.by_code.values().sum();
-        let codes: Vec<String> = self
-            .dead
-            .by_code
-            .iter()
-            .map(|(code, n)| format!("{code} {n}"))
-            .collect();
-        let dead = if codes.is_empty() {
-            dead_total.to_string()
-        } else {
-            format!("{dead_total} ({})", codes.join(", "))
-        };
-        let lowest = match self.throughput.lowest() {
-            Some(lowest) => {
-                let windows: Vec<String> = self
-                    .throughput
-                    .windows
-                    .iter()
-                    .map(|n| thousands(*n as f64))
-                    .collect();
-                format!(
-                    "{:.1} effects/s (effects per {WINDOW_SECONDS} s window: {})",
-                    lowest as f64 / WINDOW_SECONDS as f64,
-                    windows.join(", ")
-                )
-            }
-            None => "— (no whole window between the first panic and the last message sent)".into(),
-        };
-        let injected: Vec<(&str, i64)> = (self.faults.iter())
-            .map(|(fault, n)| (fault.name(), i64::from(*n)))
-            .chain(self.handler_faults.iter().map(|(fault, n)| (fault.name(), *n)))
-            .collect();
-        let total: i64 = injected.iter().map(|(_, n)| n).sum();
-        let kinds: Vec<String> = injected.iter().map(|(name, n)| format!("{name} ×{n}")).collect();
-        vec![
-            ("dead-lettered", dead),
-            (
-                "poison messages dead-lettered (delivery_limit)",
-                format!(
-                    "{} / {} ({} consumer crashes restarted)",
-                    self.dead.poison_at_limit.len(),
-                    self.options.poison,
-                    self.crashes
-                ),
-            ),
-            (
-                "lowest throughput after the first panic, while messages arrive",
-                lowest,
-            ),
-            (
-                "faults injected (took effect)",
-                format!("{total}: {}", kinds.join(", ")),
-            ),
-        ]
-    }
-
-    fn table(&self) -> String {
-        let timeout = HANDLER_TIMEOUT.as_secs_f64();
-        let stack = match self.options.stack.as_str() {
-            "full" => format!(
-                "full stack: tower timeout ({timeout} s), Redis flag, Redis lock, PostgreSQL record (transactional)"
-            ),
-            _ => format!("flag only: tower timeout ({timeout} s), Redis flag, handler writes on its own"),
-        };
-        let mut table = String::new();
-        let _ = writeln!(table, "\nchaos run — {stack}\n");
-        let _ = writeln!(table, "| measure | value |\n|---|---|");
-        for (measure, value) in self.rows() {
-            let _ = writeln!(table, "| {measure} | {value} |");
-        }
-        table
-    }
-
-    /// Every broken promise of the run, and every fault kind asked for that never took
-    /// effect (the run would prove nothing about it).
-    fn problems(&self) -> Vec<String> {
-        let mut problems = Vec::new();
-        let mut check = |broken: bool, problem: String| {
-            if broken {
-                problems.push(problem);
-            }
-        };
-        let (ledger, options) = (&self.ledger, &self.options);
-        check(self.missing() != 0, format!("{} keys missing", self.missing()));
-        check(
-            ledger.doubled > 0,
-            format!("{} applied more than once", ledger.doubled),
-        );
-        check(ledger.partial > 0, format!("{} applied in part", ledger.partial));
-        let poison_dead = self.dead.poison_at_limit.len();
-        check(
-            poison_dead < options.poison,
-            format!(
-                "{poison_dead} of {} poison messages dead-lettered as {DELIVERY_LIMIT}",
-                options.poison
-            ),
-        );
-        check(
-            self.throughput.lowest() == Some(0),
-            format!(
-                "a {WINDOW_SECONDS} s window after the first panic applied nothing while messages arrived"
-            ),
-        );
-        for fault in HandlerFault::ALL {
-            let asked = match fault {
-                HandlerFault::Poison => options.poison > 0,
-                _ => options.handler_faults > 0.0,
-            };
-            let fired = self.handler_faults.get(&fault).copied().unwrap_or(0);
-            check(asked && fired == 0, format!("no {} took effect", fault.name()));
-        }
-        problems
-    }
-
-    fn verdict(&self) -> ExitCode {
-        let problems = self.problems();
-        if problems.is_empty() {
-            println!("PASS: every key applied exactly once and whole; every poison message dead-lettered");
-            ExitCode::SUCCESS
-        } else if self.options.report_only {
-            println!("(report only: {})", problems.join(", "));
-            ExitCode::SUCCESS
-        } else {
-            println!("FAIL: {}", problems.join(", "));
-            ExitCode::FAILURE
-        }
     }
 }
 
@@ -897,12 +864,12 @@ async fn main() -> ExitCode {
     let mut run = Run::start(&options).await;
     let publishing = tokio::spawn(publish(
         plan(&options),
-        run.topology.queue().to_owned(),
+        run.broker.publisher().await,
         options.rate,
     ));
-    run.inject_until_applied(&options, &publishing, deadline).await;
+    run.inject_faults(&options, &publishing, deadline).await;
     let published = stop_publishing(publishing).await;
-    run.wait_until_quiet(deadline).await;
+    run.wait_until_quiet(&options, deadline).await;
     let report = run.finish(&options, started, published).await;
     println!("{}", report.table());
     report.verdict()

@@ -1,0 +1,136 @@
+//! The RabbitMQ side of the chaos run: queues of the run's own, a confirmed publisher, the
+//! broker's own fault (the consumers' connections closed by the broker), the quiet-queue
+//! check and the dead-letter queue.
+
+use std::process::Command;
+
+use integration_tests::amqp::{close_connections_named, connect, drain, scratch_topology};
+use lapin::Channel;
+use lapin::message::BasicGetMessage;
+use lapin::types::AMQPValue;
+use oncely_amqp::{Producer, REASON_HEADER, Topology};
+
+use crate::report::DeadLetters;
+
+/// The run's queues, and a channel of the run's own to them.
+pub(crate) struct Amqp {
+    topology: Topology,
+    channel: Channel,
+}
+
+impl Amqp {
+    /// Declares the run's queues.
+    pub(crate) async fn start() -> Self {
+        let topology = scratch_topology("chaos");
+        let channel = connect()
+            .await
+            .expect("RabbitMQ")
+            .create_channel()
+            .await
+            .expect("a channel");
+        topology.declare(&channel).await.expect("declare the queues");
+        Amqp { topology, channel }
+    }
+
+    /// The arguments of `amqp_consumer`: the run's queue, its schema and Redis prefix, the
+    /// stack, and the name of its connections.
+    pub(crate) fn consumer_args(&self, schema: &str, prefix: &str, stack: &str, name: &str) -> Vec<String> {
+        [self.topology.queue(), schema, prefix, stack, name]
+            .map(str::to_owned)
+            .to_vec()
+    }
+
+    /// A publisher to the run's queue on a connection of its own.
+    pub(crate) async fn publisher(&self) -> Publisher {
+        Publisher {
+            producer: Producer::new(connect().await.expect("RabbitMQ")),
+            queue: self.topology.queue().to_owned(),
+        }
+    }
+
+    /// True when the run's work, suspect and retry queues hold no message (ready or
+    /// unacknowledged): every copy has been answered.
+    pub(crate) async fn idle(&self) -> bool {
+        let topology = self.topology.clone();
+        tokio::task::spawn_blocking(move || messages_in_queues(&topology))
+            .await
+            .ok()
+            .flatten()
+            == Some(0)
+    }
+
+    /// Takes every message from the dead-letter queue and sorts it, then deletes the queues.
+    pub(crate) async fn finish(self) -> DeadLetters {
+        let messages = drain(&self.channel, &self.topology.dead_letter_queue()).await;
+        let dead = DeadLetters::sort(
+            messages
+                .iter()
+                .map(|message| (reason(message), &message.delivery.data[..])),
+        );
+        self.topology
+            .delete(&self.channel)
+            .await
+            .expect("delete the queues");
+        dead
+    }
+}
+
+/// A new message id, as the AMQP producer makes them.
+pub(crate) fn new_message_id() -> String {
+    Producer::new_message_id()
+}
+
+/// Closes the connections named `name` on the broker's side; false if none was open.
+pub(crate) async fn close_connections(name: &str) -> bool {
+    let name = name.to_owned();
+    tokio::task::spawn_blocking(move || close_connections_named(&name))
+        .await
+        .unwrap_or(0)
+        > 0
+}
+
+/// Publishes to the run's queue with confirms.
+pub(crate) struct Publisher {
+    producer: Producer,
+    queue: String,
+}
+
+impl Publisher {
+    /// Publishes `body` with the message id `id` and the business key `key`, and waits for
+    /// the broker's confirm.
+    pub(crate) async fn send(&self, body: &[u8], key: &str, id: &str) {
+        self.producer
+            .publish_with_id(id, "", &self.queue, body, Some(key))
+            .await
+            .expect("publish");
+    }
+}
+
+/// Messages (ready and unacknowledged) in the run's work, suspect and retry queues.
+fn messages_in_queues(topology: &Topology) -> Option<u64> {
+    let listed = Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "--no-table-headers", "name", "messages"])
+        .output()
+        .ok()?;
+    let listing = String::from_utf8_lossy(&listed.stdout);
+    let mut total = 0;
+    for line in listing.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(name), Some(count)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if name.starts_with(topology.queue()) && name != topology.dead_letter_queue() {
+            total += count.parse::<u64>().ok()?;
+        }
+    }
+    Some(total)
+}
+
+/// A dead letter's reason header (`code: detail`).
+fn reason(message: &BasicGetMessage) -> Option<String> {
+    let headers = message.delivery.properties.headers().as_ref()?;
+    match headers.inner().get(REASON_HEADER) {
+        Some(AMQPValue::LongString(text)) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
+        _ => None,
+    }
+}
