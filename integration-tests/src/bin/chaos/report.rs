@@ -273,6 +273,15 @@ impl Report {
             format!("{} applied more than once", ledger.doubled),
         );
         check(ledger.partial > 0, format!("{} applied in part", ledger.partial));
+        let innocent_at_limit = (self.dead.orders.iter())
+            .filter(|(_, code)| code == DELIVERY_LIMIT)
+            .count();
+        check(
+            innocent_at_limit > 0,
+            format!(
+                "{innocent_at_limit} orders that never crashed anything dead-lettered as {DELIVERY_LIMIT}"
+            ),
+        );
         let poison_dead = self.dead.poison_at_limit.len();
         check(
             poison_dead < options.poison,
