@@ -170,8 +170,11 @@ where
     F::Output: Send,
 {
     match Handle::try_current().map(|current| current.runtime_flavor()) {
-        // The client's blocking threads: no runtime on this one.
+        // A thread outside any runtime.
         Err(_) => runtime.block_on(future),
+        // A worker of a multi-threaded runtime gives its place to others while it blocks; on
+        // the runtime's blocking threads (where the client's listener lane runs),
+        // `block_in_place` just runs the closure.
         Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| runtime.block_on(future)),
         // A single-threaded runtime's only worker cannot give its place to blocking code.
         Ok(_) => std::thread::scope(|scope| {
