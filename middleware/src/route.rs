@@ -86,7 +86,7 @@ where
     /// Counts each key's unsettled deliveries in `counter` and dead-letters a key that
     /// started `max` times without the stack ever answering — a message that kills its
     /// consumer process — with [`DeadLetterReason::DeliveryLimit`]; keys that come back
-    /// unsettled run one at a time ([`crate::deliveries`]). For brokers that do not count
+    /// unsettled run alone in the process ([`crate::deliveries`]). For brokers that do not count
     /// redeliveries themselves (RocketMQ); the AMQP runner uses RabbitMQ's own count.
     pub fn with_delivery_limit(mut self, counter: impl DeliveryCounter, max: u32) -> Self {
         self.delivery_limit = Some(DeliveryLimit::new(counter, max));

@@ -180,3 +180,50 @@ async fn waits_behind_a_dead_consumers_claim_keep_its_crashes_counted() {
         "{last}"
     );
 }
+
+/// A suspect (a key that came back unsettled) must run alone: a fresh delivery that arrives
+/// while it runs waits, so a crash then is charged to the suspect only.
+#[tokio::test]
+async fn a_suspect_runs_alone_on_its_route() {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let started = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let (open, log) = (gate.clone(), started.clone());
+    let handler = handler_fn(move |envelope: Envelope| {
+        let (open, log) = (open.clone(), log.clone());
+        async move {
+            let key = envelope.key().to_string();
+            log.lock().unwrap().push(key.clone());
+            if key == "suspect" {
+                open.notified().await;
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), handler)
+        .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 5);
+    assert_eq!(
+        crash(&route, "suspect").await,
+        None,
+        "counted once, now a suspect"
+    );
+
+    let suspect = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("suspect", "A")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let fresh = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("fresh", "B")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        *started.lock().unwrap(),
+        ["suspect", "suspect"],
+        "the fresh delivery waits while the suspect runs"
+    );
+    gate.notify_one();
+    assert_eq!(suspect.await.unwrap(), Outcome::Processed);
+    assert_eq!(fresh.await.unwrap(), Outcome::Processed);
+    assert_eq!(started.lock().unwrap().last().map(String::as_str), Some("fresh"));
+}

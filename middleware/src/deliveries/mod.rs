@@ -3,15 +3,17 @@
 //!
 //! A crash never reaches the stack, so no attempt counter sees it: the broker just delivers
 //! the message again. RabbitMQ's quorum queues count such redeliveries themselves (the AMQP
-//! adapter uses `x-delivery-count`). RocketMQ does not — a consumer that dies before
-//! committing its offset gets the message again with the same reconsume times — so its
+//! adapter uses `x-delivery-count`). RocketMQ's client does not — as far as its code shows, a consumer that dies
+//! before committing its offset gets the message again with the same reconsume times — so its
 //! adapter, and any other, can ask the [`Route`](crate::Route) to count with
 //! [`Route::with_delivery_limit`](crate::Route::with_delivery_limit):
 //!
 //! - before the stack runs, the key's *unsettled starts* are read: a key that started
 //!   before and never settled is a **suspect**;
-//! - suspects run one at a time in the process, so a crash is counted against the delivery
-//!   that caused it and not against every delivery that happened to run beside it;
+//! - a suspect runs alone in the process: it waits for the deliveries running on the route
+//!   and holds back new ones, so a crash while it runs is counted against it and not
+//!   against every delivery that happened to run beside it (one that is merely caught in
+//!   another's crash is counted once, then runs alone and settles);
 //! - the start is counted, the stack runs, and whatever it answers, the count is cleared —
 //!   an answered delivery was not a crash — except a wait (another delivery holds the key,
 //!   such as the dead consumer's flag claim or lock, until its lease runs out): a wait ran
@@ -38,7 +40,7 @@ pub use memory::MemoryDeliveryCounter;
 #[cfg(feature = "redis")]
 pub use redis::RedisDeliveryCounter;
 pub use store::DeliveryCounter;
-use tokio::sync::Mutex;
+use tokio::sync::RwLock;
 
 use crate::envelope::BusinessKey;
 use crate::outcome::{DeadLetterReason, Outcome};
@@ -46,12 +48,13 @@ use crate::outcome::{DeadLetterReason, Outcome};
 /// How long an unsettled count is kept: longer than any redelivery takes to come back.
 const COUNT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// The route's guard: its counter, its limit and the queue suspects wait in.
+/// The route's guard: its counter, its limit, and the lock that lets a suspect run alone
+/// (deliveries share it; a suspect takes it exclusively).
 #[derive(Clone)]
 pub(crate) struct DeliveryLimit {
     counter: Arc<dyn DeliveryCounter>,
     max: u32,
-    suspects: Arc<Mutex<()>>,
+    running: Arc<RwLock<()>>,
 }
 
 impl DeliveryLimit {
@@ -59,7 +62,7 @@ impl DeliveryLimit {
         DeliveryLimit {
             counter: Arc::new(counter),
             max: max.max(1),
-            suspects: Arc::default(),
+            running: Arc::default(),
         }
     }
 
@@ -72,9 +75,10 @@ impl DeliveryLimit {
                 return handle().await;
             }
         };
-        let _alone = match unsettled {
-            0 => None,
-            _ => Some(self.suspects.lock().await),
+        // Held until the stack has answered.
+        let (_shared, _alone) = match unsettled {
+            0 => (Some(self.running.read().await), None),
+            _ => (None, Some(self.running.write().await)),
         };
         if unsettled >= self.max {
             return Outcome::dead_letter(
