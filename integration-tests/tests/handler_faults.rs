@@ -11,15 +11,15 @@ use deadpool_postgres::Pool;
 use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::{
-    Broker, DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route,
-    Source, handler_fn,
+    DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Source,
+    handler_fn,
 };
 use tower::ServiceBuilder;
 use tower::timeout::TimeoutLayer;
 
 fn order(id: &str) -> Delivery {
     Delivery::new(
-        Source::new(Broker::InProcess, "orders"),
+        Source::new("orders"),
         format!(r#"{{"orderId":"{id}","sku":"sku-1"}}"#),
     )
 }
@@ -258,7 +258,7 @@ async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
         insert_stock_move(&envelope).await
     })
     .with_max_body_len(1024 * 1024);
-    let source = || Source::new(Broker::InProcess, "orders");
+    let source = || Source::new("orders");
     let cases = [
         (
             Delivery::new(source(), "{\"orderId\":\"o-\\u0000-1\"}"),

@@ -5,9 +5,7 @@ use std::time::Duration;
 use integration_tests::recorder::Counts;
 use oncely::flag::FlagLayer;
 use oncely::record::RecordLayer;
-use oncely::{
-    Broker, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier, handler_fn,
-};
+use oncely::{Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier, handler_fn};
 use tower::ServiceBuilder;
 
 use oncely::flag::MemoryFlagStore;
@@ -43,12 +41,7 @@ fn each_tier_counts_what_reached_it_what_it_caught_and_what_it_passed_on() {
         .enable_all()
         .build()
         .unwrap();
-    let order = |id: &str| {
-        Delivery::new(
-            Source::new(Broker::InProcess, "orders"),
-            format!(r#"{{"orderId":"{id}"}}"#),
-        )
-    };
+    let order = |id: &str| Delivery::new(Source::new("orders"), format!(r#"{{"orderId":"{id}"}}"#));
     metrics::with_local_recorder(&counts, || {
         runtime.block_on(async {
             let stack = ServiceBuilder::new()

@@ -14,8 +14,8 @@ use oncely::record::{
 };
 use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine, StateStore};
 use oncely::{
-    BoxError, Broker, BusinessKey, Delivery, Envelope, Fingerprint, HandlerError, KeyExtractor, Outcome,
-    RetryReason, Route, Source, Tier, handler_fn,
+    BoxError, BusinessKey, Delivery, Envelope, Fingerprint, HandlerError, KeyExtractor, Outcome, RetryReason,
+    Route, Source, Tier, handler_fn,
 };
 use tower::ServiceBuilder;
 
@@ -44,7 +44,7 @@ async fn the_state_store_passes_the_state_suite() {
 
 fn order(id: &str) -> Delivery {
     Delivery::new(
-        Source::new(Broker::InProcess, "orders"),
+        Source::new("orders"),
         format!(r#"{{"orderId":"{id}","sku":"sku-1"}}"#),
     )
 }
@@ -174,10 +174,7 @@ async fn a_crash_between_commit_and_ack_makes_the_redelivery_a_duplicate() {
 async fn the_same_key_with_another_payload_is_dead_lettered_by_the_record() {
     let (schema, _pool, route) = transactional_route(|_| false).await;
     assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
-    let reused = Delivery::new(
-        Source::new(Broker::InProcess, "orders"),
-        r#"{"orderId":"o-1","sku":"sku-2"}"#,
-    );
+    let reused = Delivery::new(Source::new("orders"), r#"{"orderId":"o-1","sku":"sku-2"}"#);
     let outcome = route.handle(reused).await;
     assert_eq!(
         outcome.dead_letter_reason(),
@@ -347,7 +344,7 @@ async fn an_out_of_order_state_event_is_stale_and_changes_nothing() {
     );
     let event = |state: &str| {
         Delivery::new(
-            Source::new(Broker::InProcess, "shipments"),
+            Source::new("shipments"),
             format!(r#"{{"shipment":"s-1","state":"{state}"}}"#),
         )
     };

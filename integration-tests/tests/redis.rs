@@ -12,8 +12,8 @@ use oncely::flag::{Claim, FlagLayer, FlagStore, RedisFlagStore};
 use oncely::lock::{LockLayer, LockLease, LockStore, RedisLockStore};
 use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::{
-    Broker, BrokerAction, BusinessKey, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason,
-    Route, Tier, Token, handler_fn,
+    BrokerAction, BusinessKey, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route,
+    Tier, Token, handler_fn,
 };
 use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
@@ -31,7 +31,7 @@ integration_tests::lock_store_suite!(lock_store);
 
 fn order(id: &str, sku: &str) -> Delivery {
     let body = format!(r#"{{"orderId":"{id}","sku":"{sku}"}}"#);
-    Delivery::new(oncely::Source::new(Broker::InProcess, "orders"), body)
+    Delivery::new(oncely::Source::new("orders"), body)
 }
 
 fn order_key() -> KeyExtractor {

@@ -3,39 +3,25 @@
 use std::any::{Any, TypeId};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::sync::Arc;
-use std::time::SystemTime;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
+use serde_json::Value;
 
-/// Which kind of broker a delivery came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Broker {
-    /// RabbitMQ or another AMQP 0-9-1 broker.
-    Amqp,
-    /// Apache RocketMQ.
-    RocketMq,
-    /// An in-process source, as in tests and the quickstart.
-    InProcess,
-}
+use crate::error::InputError;
+use crate::fingerprint::Fingerprint;
 
-/// Where a delivery came from: the broker and its queue or topic.
+/// Where a delivery came from: its queue (AMQP) or topic (RocketMQ).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Source {
-    /// The broker kind.
-    pub broker: Broker,
     /// The queue (AMQP) or topic (RocketMQ) name.
     pub name: String,
 }
 
 impl Source {
-    /// A source on `broker` named `name`.
-    pub fn new(broker: Broker, name: impl Into<String>) -> Self {
-        Source {
-            broker,
-            name: name.into(),
-        }
+    /// The queue or topic named `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Source { name: name.into() }
     }
 }
 
@@ -92,6 +78,10 @@ impl Headers {
 ///
 /// Adapters build it from the broker's message; [`Route::handle`](crate::Route::handle) turns
 /// it into an [`Envelope`] by extracting the business key.
+///
+/// The body is parsed as JSON at most once, on the first [`json`](Delivery::json) call:
+/// the route's key, the lock's entity, the state guard's entity and state and the
+/// fingerprint's fields all read that one parse.
 #[derive(Clone, Debug)]
 pub struct Delivery {
     message_id: Option<String>,
@@ -103,11 +93,11 @@ pub struct Delivery {
     attempt: u32,
     redelivered: bool,
     source: Source,
-    received_at: SystemTime,
+    json: OnceLock<Result<Value, Arc<serde_json::Error>>>,
 }
 
 impl Delivery {
-    /// A first delivery (attempt 1, not redelivered) of `body` from `source`, received now.
+    /// A first delivery (attempt 1, not redelivered) of `body` from `source`.
     pub fn new(source: Source, body: impl Into<Bytes>) -> Self {
         Delivery {
             message_id: None,
@@ -119,7 +109,7 @@ impl Delivery {
             attempt: 1,
             redelivered: false,
             source,
-            received_at: SystemTime::now(),
+            json: OnceLock::new(),
         }
     }
 
@@ -171,12 +161,6 @@ impl Delivery {
         self
     }
 
-    /// Sets when the delivery was received.
-    pub fn with_received_at(mut self, at: SystemTime) -> Self {
-        self.received_at = at;
-        self
-    }
-
     /// The broker's message id, if the message has one.
     pub fn message_id(&self) -> Option<&str> {
         self.message_id.as_deref()
@@ -222,9 +206,16 @@ impl Delivery {
         &self.source
     }
 
-    /// When the delivery was received.
-    pub fn received_at(&self) -> SystemTime {
-        self.received_at
+    /// The body parsed as JSON, parsed on the first call and kept: every later call (from
+    /// any tier or the handler) reads the same parse. A body that is not JSON gives
+    /// [`InputError::BodyNotJson`], every time.
+    pub fn json(&self) -> Result<&Value, InputError> {
+        self.json
+            .get_or_init(|| serde_json::from_slice(&self.body).map_err(Arc::new))
+            .as_ref()
+            .map_err(|source| InputError::BodyNotJson {
+                source: Arc::clone(source),
+            })
     }
 }
 
@@ -256,43 +247,6 @@ impl fmt::Display for BusinessKey {
 impl fmt::Debug for BusinessKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&*self.0, f)
-    }
-}
-
-/// A 128-bit hash of a message body (XXH3-128), stored with a key so that the same key
-/// arriving with another payload is told apart from a true duplicate.
-///
-/// Not cryptographic: it catches keys reused by mistake, not an adversary forging bodies.
-/// Stable across processes, versions and platforms, so it can be stored durably.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Fingerprint(u128);
-
-impl Fingerprint {
-    /// The fingerprint of `body`.
-    pub fn of(body: &[u8]) -> Self {
-        Fingerprint(xxhash_rust::xxh3::xxh3_128(body))
-    }
-
-    /// The raw 128-bit value.
-    pub fn as_u128(self) -> u128 {
-        self.0
-    }
-
-    /// A fingerprint from its raw value, as read back from a store.
-    pub fn from_u128(value: u128) -> Self {
-        Fingerprint(value)
-    }
-}
-
-impl fmt::Display for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:032x}", self.0)
-    }
-}
-
-impl fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({self})")
     }
 }
 
@@ -331,16 +285,33 @@ pub struct Envelope {
     key: BusinessKey,
     fingerprint: Fingerprint,
     delivery: Arc<Delivery>,
+    route: Arc<str>,
+    certainly_new: bool,
     extensions: Extensions,
 }
 
 impl Envelope {
-    /// An envelope for `delivery` under `key`; the body's fingerprint is computed here, once.
+    /// An envelope for `delivery` under `key`, fingerprinted by its whole body, on a route
+    /// named `unnamed`: for tests and stacks called without a [`Route`](crate::Route).
     pub fn new(key: BusinessKey, delivery: Delivery) -> Self {
+        let fingerprint = Fingerprint::of(delivery.body());
+        Envelope::routed(Arc::from("unnamed"), key, fingerprint, delivery)
+    }
+
+    /// The envelope [`Route::handle`](crate::Route::handle) makes, with the fingerprint its
+    /// policy computed.
+    pub(crate) fn routed(
+        route: Arc<str>,
+        key: BusinessKey,
+        fingerprint: Fingerprint,
+        delivery: Delivery,
+    ) -> Self {
         Envelope {
             key,
-            fingerprint: Fingerprint::of(delivery.body()),
+            fingerprint,
             delivery: Arc::new(delivery),
+            route,
+            certainly_new: false,
             extensions: Extensions::default(),
         }
     }
@@ -350,9 +321,33 @@ impl Envelope {
         &self.key
     }
 
-    /// The body's fingerprint.
+    /// The payload's fingerprint, as the route's
+    /// [`FingerprintPolicy`](crate::FingerprintPolicy) computed it.
     pub fn fingerprint(&self) -> Fingerprint {
         self.fingerprint
+    }
+
+    /// The name of the route handling the envelope.
+    pub fn route(&self) -> &str {
+        &self.route
+    }
+
+    #[cfg(feature = "metrics")]
+    pub(crate) fn route_name(&self) -> &Arc<str> {
+        &self.route
+    }
+
+    /// True when a pre-filter in front found the key certainly new: no delivery of it was
+    /// settled in this process. Tiers that support it skip their lookups (the flag with
+    /// [`skip_claim_when_certainly_new`](crate::flag::FlagLayer::skip_claim_when_certainly_new)).
+    pub fn is_certainly_new(&self) -> bool {
+        self.certainly_new
+    }
+
+    /// Marks the key certainly new, for the tiers behind.
+    #[cfg(feature = "prefilter")]
+    pub(crate) fn mark_certainly_new(&mut self) {
+        self.certainly_new = true;
     }
 
     /// The delivery: body, headers, attempt, source and broker fields.
@@ -376,15 +371,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fingerprint_is_stable_and_payload_sensitive() {
-        let a = Fingerprint::of(b"{\"orderId\":1}");
-        assert_eq!(a, Fingerprint::of(b"{\"orderId\":1}"));
-        assert_ne!(a, Fingerprint::of(b"{\"orderId\":2}"));
-        assert_eq!(Fingerprint::from_u128(a.as_u128()), a);
-        assert_eq!(a.to_string().len(), 32);
-    }
-
-    #[test]
     fn extensions_are_shared_by_clones() {
         let mut ext = Extensions::default();
         ext.insert(7_u64);
@@ -395,7 +381,16 @@ mod tests {
 
     #[test]
     fn attempt_zero_reads_as_first() {
-        let delivery = Delivery::new(Source::new(Broker::InProcess, "q"), "x").with_attempt(0);
+        let delivery = Delivery::new(Source::new("q"), "x").with_attempt(0);
         assert_eq!(delivery.attempt(), 1);
+    }
+
+    #[test]
+    fn the_body_is_parsed_once_and_clones_share_the_parse() {
+        let delivery = Delivery::new(Source::new("q"), r#"{"a":1}"#);
+        let first: *const Value = delivery.json().unwrap();
+        let second: *const Value = delivery.json().unwrap();
+        assert_eq!(first, second, "a second read parses again");
+        assert!(Delivery::new(Source::new("q"), "nope").json().is_err());
     }
 }

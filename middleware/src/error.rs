@@ -1,23 +1,25 @@
-//! The crate's one error type.
+//! Errors, one type per party that must act on them.
+//!
+//! | type | who acts | what oncely does |
+//! |---|---|---|
+//! | [`InputError`] | the delivery's sender: the message itself is unusable | dead-letters it with the error as the reason |
+//! | [`ConfigError`] | whoever configured the route | reports it when the route or layer is built, before any delivery |
+//! | [`StoreError`] | the store's operator | retries the delivery later (or, failing open, lets the tiers behind decide) |
+//!
+//! [`Error`] holds any of the three, for code that wants one error type (`?` converts each).
+//! A duplicate is never an error: it is [`Outcome::Duplicate`](crate::Outcome::Duplicate).
 
-use crate::outcome::Tier;
+use std::sync::Arc;
 
 /// A boxed error from a store client or a user's service.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Everything that can go wrong in oncely itself.
-///
-/// A duplicate is never an error: it is [`Outcome::Duplicate`](crate::Outcome::Duplicate).
-/// Errors fall into three classes, told apart by the helpers:
-/// - [`is_poison`](Error::is_poison): the delivery itself is unusable (no key, bad body,
-///   unknown state); retrying cannot help, so it is dead-lettered with this error as the reason.
-/// - [`is_retryable`](Error::is_retryable): a store could not be reached or answered with an
-///   error; the same delivery may succeed later.
-/// - [`is_config`](Error::is_config): the route was configured wrongly; reported when the
-///   route is built, before any delivery is consumed.
-#[derive(Debug, thiserror::Error)]
+/// A delivery that can never be processed as it is: no usable key, a body too large, a
+/// state the route does not know. Retrying cannot help, so the delivery is dead-lettered
+/// with this error as the reason's detail.
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum InputError {
     /// The field the business key is read from is absent from the delivery
     /// (no message id, no such header, no broker key).
     #[error("business key missing: {field} is absent")]
@@ -37,12 +39,14 @@ pub enum Error {
         /// Which field was read.
         field: String,
     },
-    /// The key is read from the body, but the body is not JSON (or not UTF-8 JSON).
+    /// A value is read from the body (a key, an entity, a fingerprint field), but the body
+    /// is not JSON (or not UTF-8 JSON).
     #[error("body is not JSON: {source}")]
     BodyNotJson {
-        /// The parser's error, with line and column.
+        /// The parser's error, with line and column; shared, because the body is parsed
+        /// once per delivery and every reader sees the same failure.
         #[source]
-        source: serde_json::Error,
+        source: Arc<serde_json::Error>,
     },
     /// The body is JSON but holds nothing at the configured JSON pointer
     /// (or holds `null` there).
@@ -97,7 +101,20 @@ pub enum Error {
         /// The configured maximum.
         max: usize,
     },
-    /// A key template could not be parsed (configuration error).
+    /// A delivery names a state the route's state machine does not declare.
+    #[error("unknown state {state:?}")]
+    UnknownState {
+        /// The state name as read from the delivery.
+        state: String,
+    },
+}
+
+/// A route, layer or store configured wrongly. Returned by the constructors that validate
+/// their configuration, so it shows when the route is built, never per delivery.
+#[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A key template could not be parsed.
     #[error("invalid key template {template:?}: {reason}")]
     InvalidTemplate {
         /// The template as given.
@@ -105,19 +122,13 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
-    /// A delivery names a state the route's state machine does not declare.
-    #[error("unknown state {state:?}")]
-    UnknownState {
-        /// The state name as read from the delivery.
-        state: String,
-    },
-    /// A state machine definition is inconsistent (configuration error).
+    /// A state machine definition is inconsistent.
     #[error("invalid state machine: {reason}")]
     InvalidStateMachine {
         /// What is wrong with it.
         reason: String,
     },
-    /// A schema, table or column name is not a plain SQL identifier (configuration error).
+    /// A schema, table or column name is not a plain SQL identifier.
     #[error(
         "invalid SQL identifier {identifier:?}: use 1 to 63 lowercase letters, digits and underscores, not starting with a digit"
     )]
@@ -125,80 +136,116 @@ pub enum Error {
         /// The name as given.
         identifier: String,
     },
-    /// A pre-filter was sized with an impossible expected item count or false-positive rate
-    /// (configuration error).
+    /// A fingerprint policy names no field, or a field that is not a JSON pointer.
+    #[error("invalid fingerprint policy: {reason}")]
+    InvalidFingerprint {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A pre-filter was sized with an impossible expected item count or false-positive rate.
     #[error("invalid pre-filter: {reason}")]
     InvalidPreFilter {
         /// What is wrong with it.
         reason: String,
     },
-    /// A tier's store failed: unreachable, timed out or answered with an error.
-    #[error("{tier} store failed: {source}")]
-    Store {
-        /// The tier whose store failed.
-        tier: Tier,
+}
+
+/// A store failed: what every backend of every tier returns. It names no tier — the tier
+/// that called the store adds that when it reports the failure — and holds no delivery
+/// error, so a backend cannot turn a store failure into a dead letter.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The client failed: the store is unreachable, timed out, or answered with an error.
+    #[error("store failed: {source}")]
+    Failed {
         /// The client's error.
         #[source]
         source: BoxError,
     },
+    /// The store answered with data that oncely did not write: an unknown record status, a
+    /// malformed fingerprint or marker. Someone else wrote to oncely's keys or tables.
+    #[error("store holds unexpected data: {what}")]
+    Malformed {
+        /// What was found.
+        what: String,
+    },
 }
 
-impl Error {
-    /// Wraps a store client's error for `tier`.
-    pub fn store(tier: Tier, source: impl Into<BoxError>) -> Self {
-        Error::Store {
-            tier,
+impl StoreError {
+    /// Wraps a store client's error; backends of your own use this (or `?`, for the clients
+    /// that convert by themselves).
+    pub fn new(source: impl Into<BoxError>) -> Self {
+        StoreError::Failed {
             source: source.into(),
         }
     }
 
+    /// The store holds `what`, which oncely did not write.
+    pub fn malformed(what: impl Into<String>) -> Self {
+        StoreError::Malformed { what: what.into() }
+    }
+}
+
+#[cfg(feature = "redis")]
+impl From<redis::RedisError> for StoreError {
+    fn from(error: redis::RedisError) -> Self {
+        StoreError::new(error)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl From<deadpool_postgres::tokio_postgres::Error> for StoreError {
+    fn from(error: deadpool_postgres::tokio_postgres::Error) -> Self {
+        StoreError::new(error)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl From<deadpool_postgres::PoolError> for StoreError {
+    fn from(error: deadpool_postgres::PoolError) -> Self {
+        StoreError::new(error)
+    }
+}
+
+/// Any of oncely's errors, for code that wants one type; `?` converts each.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The delivery is unusable; see [`InputError`].
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// The configuration is wrong; see [`ConfigError`].
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A store failed; see [`StoreError`].
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl Error {
     /// True when the same delivery may succeed if tried again later (a store failure).
     pub fn is_retryable(&self) -> bool {
-        self.class() == Class::Store
+        match self {
+            Error::Store(_) => true,
+            Error::Input(_) | Error::Config(_) => false,
+        }
     }
 
     /// True when the delivery itself is unusable and must be dead-lettered: retrying it can
     /// never succeed.
     pub fn is_poison(&self) -> bool {
-        self.class() == Class::Poison
+        match self {
+            Error::Input(_) => true,
+            Error::Config(_) | Error::Store(_) => false,
+        }
     }
 
     /// True when the error is in the route's configuration, not in a delivery.
     pub fn is_config(&self) -> bool {
-        self.class() == Class::Config
-    }
-
-    /// Who must act on the error. An exhaustive match, so a new variant cannot be left
-    /// without a class.
-    fn class(&self) -> Class {
         match self {
-            Error::KeyMissing { .. }
-            | Error::KeyEmpty { .. }
-            | Error::KeyNotUtf8 { .. }
-            | Error::BodyNotJson { .. }
-            | Error::PointerNotFound { .. }
-            | Error::KeyNotScalar { .. }
-            | Error::KeyControlCharacter { .. }
-            | Error::KeyNumberInexact { .. }
-            | Error::BodyTooLarge { .. }
-            | Error::KeyTooLong { .. }
-            | Error::UnknownState { .. } => Class::Poison,
-            Error::InvalidTemplate { .. }
-            | Error::InvalidStateMachine { .. }
-            | Error::InvalidIdentifier { .. }
-            | Error::InvalidPreFilter { .. } => Class::Config,
-            Error::Store { .. } => Class::Store,
+            Error::Config(_) => true,
+            Error::Input(_) | Error::Store(_) => false,
         }
     }
-}
-
-/// The three classes of [`Error`], by who must act.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Class {
-    /// The delivery's sender: it is dead-lettered.
-    Poison,
-    /// Whoever configured the route.
-    Config,
-    /// The store's operator; the delivery is retried.
-    Store,
 }

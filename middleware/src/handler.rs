@@ -11,7 +11,7 @@ use tower_service::Service;
 use crate::envelope::Envelope;
 use crate::error::BoxError;
 use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
-use crate::service::BoxFuture;
+use crate::tier::BoxFuture;
 
 /// A handler's failure: transient (retry later, the default) or permanent (dead-letter).
 ///

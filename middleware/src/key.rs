@@ -7,7 +7,7 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::envelope::{BusinessKey, Delivery};
-use crate::error::Error;
+use crate::error::{ConfigError, InputError};
 
 /// The maximum key length, in bytes, unless configured otherwise.
 pub const DEFAULT_MAX_KEY_LEN: usize = 256;
@@ -24,7 +24,7 @@ pub enum KeyField {
     Header(String),
     /// A value in a JSON body, by JSON pointer (RFC 6901), e.g. `/orderId`. Strings are taken
     /// as they are, integers within 64 bits in their decimal spelling; other numbers are
-    /// refused ([`Error::KeyNumberInexact`]).
+    /// refused ([`InputError::KeyNumberInexact`]).
     JsonPointer(String),
 }
 
@@ -48,20 +48,20 @@ enum Part {
 /// Reads a key from a delivery: one field, or a template that composes fields and literal
 /// text, e.g. `{/orderId}:deduct_stock` → `order_123:deduct_stock`.
 ///
-/// Every failure is a typed [`Error`] that makes the delivery a dead letter: a key is never
+/// Every failure is a typed [`InputError`] that makes the delivery a dead letter: a key is never
 /// replaced by a random id, because a random id would make every redelivery look new. A
 /// field holding a control character (NUL, newline, …) is refused
-/// ([`Error::KeyControlCharacter`]) before any store sees it.
+/// ([`InputError::KeyControlCharacter`]) before any store sees it.
 ///
 /// Template syntax: `{message_id}`, `{broker_key}`, `{header:NAME}`, `{/json/pointer}`;
 /// `{{` and `}}` stand for literal braces. A template needs at least one field: a key made
 /// of literals alone would be the same for every message.
 ///
 /// ```
-/// use oncely::{Broker, Delivery, KeyExtractor, Source};
+/// use oncely::{Delivery, KeyExtractor, Source};
 ///
 /// let extractor = KeyExtractor::template("{/orderId}:deduct_stock").unwrap();
-/// let delivery = Delivery::new(Source::new(Broker::InProcess, "orders"), r#"{"orderId":"order_123"}"#);
+/// let delivery = Delivery::new(Source::new("orders"), r#"{"orderId":"order_123"}"#);
 /// assert_eq!(extractor.extract(&delivery).unwrap().as_str(), "order_123:deduct_stock");
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -103,8 +103,8 @@ impl KeyExtractor {
     }
 
     /// A template of fields and literal text; see the type's docs for the syntax.
-    pub fn template(template: &str) -> Result<Self, Error> {
-        let parts = parse_template(template).map_err(|reason| Error::InvalidTemplate {
+    pub fn template(template: &str) -> Result<Self, ConfigError> {
+        let parts = parse_template(template).map_err(|reason| ConfigError::InvalidTemplate {
             template: template.to_owned(),
             reason: reason.to_owned(),
         })?;
@@ -126,29 +126,28 @@ impl KeyExtractor {
     }
 
     /// Sets the maximum key length in bytes (default [`DEFAULT_MAX_KEY_LEN`]). Longer keys
-    /// are rejected with [`Error::KeyTooLong`], never truncated: truncation could merge keys.
+    /// are rejected with [`InputError::KeyTooLong`], never truncated: truncation could merge keys.
     pub fn with_max_len(mut self, max_len: usize) -> Self {
         self.max_len = max_len;
         self
     }
 
-    /// Reads the key from `delivery`. The body is parsed as JSON at most once, and only when
-    /// a part needs it.
-    pub fn extract(&self, delivery: &Delivery) -> Result<BusinessKey, Error> {
+    /// Reads the key from `delivery`. The body is parsed as JSON only when a part needs it,
+    /// and then only once per delivery ([`Delivery::json`]).
+    pub fn extract(&self, delivery: &Delivery) -> Result<BusinessKey, InputError> {
         let mut key = String::new();
-        let mut json: Option<Value> = None;
         for part in self.parts.iter() {
             match part {
                 Part::Literal(text) => key.push_str(text),
                 Part::Field(field) => {
-                    let value = read_field(field, delivery, &mut json)?;
+                    let value = read_field(field, delivery)?;
                     if value.is_empty() {
-                        return Err(Error::KeyEmpty {
+                        return Err(InputError::KeyEmpty {
                             field: field.to_string(),
                         });
                     }
                     if let Some(character) = value.chars().find(|c| c.is_control()) {
-                        return Err(Error::KeyControlCharacter {
+                        return Err(InputError::KeyControlCharacter {
                             field: field.to_string(),
                             character,
                         });
@@ -158,7 +157,7 @@ impl KeyExtractor {
             }
         }
         if key.len() > self.max_len {
-            return Err(Error::KeyTooLong {
+            return Err(InputError::KeyTooLong {
                 len: key.len(),
                 max: self.max_len,
             });
@@ -167,7 +166,7 @@ impl KeyExtractor {
     }
 }
 
-fn read_field(field: &KeyField, delivery: &Delivery, json: &mut Option<Value>) -> Result<String, Error> {
+fn read_field(field: &KeyField, delivery: &Delivery) -> Result<String, InputError> {
     let raw: Option<&Bytes> = match field {
         KeyField::BrokerKey => delivery.broker_key(),
         KeyField::Header(name) => delivery.headers().get(name),
@@ -175,41 +174,37 @@ fn read_field(field: &KeyField, delivery: &Delivery, json: &mut Option<Value>) -
             return delivery
                 .message_id()
                 .map(str::to_owned)
-                .ok_or_else(|| Error::KeyMissing {
+                .ok_or_else(|| InputError::KeyMissing {
                     field: field.to_string(),
                 });
         }
-        KeyField::JsonPointer(pointer) => return read_pointer(pointer, delivery, json),
+        KeyField::JsonPointer(pointer) => return read_pointer(pointer, delivery),
     };
-    let raw = raw.ok_or_else(|| Error::KeyMissing {
+    let raw = raw.ok_or_else(|| InputError::KeyMissing {
         field: field.to_string(),
     })?;
     std::str::from_utf8(raw)
         .map(str::to_owned)
-        .map_err(|_| Error::KeyNotUtf8 {
+        .map_err(|_| InputError::KeyNotUtf8 {
             field: field.to_string(),
         })
 }
 
-fn read_pointer(pointer: &str, delivery: &Delivery, json: &mut Option<Value>) -> Result<String, Error> {
-    let document = match json {
-        Some(document) => document,
-        None => json
-            .insert(serde_json::from_slice(delivery.body()).map_err(|source| Error::BodyNotJson { source })?),
-    };
-    let not_scalar = |found| Error::KeyNotScalar {
+fn read_pointer(pointer: &str, delivery: &Delivery) -> Result<String, InputError> {
+    let document = delivery.json()?;
+    let not_scalar = |found| InputError::KeyNotScalar {
         pointer: pointer.to_owned(),
         found,
     };
     match document.pointer(pointer) {
-        None | Some(Value::Null) => Err(Error::PointerNotFound {
+        None | Some(Value::Null) => Err(InputError::PointerNotFound {
             pointer: pointer.to_owned(),
         }),
         Some(Value::String(text)) => Ok(text.clone()),
         // Without serde_json's arbitrary precision, integers beyond 64 bits and every
         // fraction arrive as f64: distinct ids could round to one key.
         Some(Value::Number(number)) if number.is_i64() || number.is_u64() => Ok(number.to_string()),
-        Some(Value::Number(number)) => Err(Error::KeyNumberInexact {
+        Some(Value::Number(number)) => Err(InputError::KeyNumberInexact {
             pointer: pointer.to_owned(),
             number: number.to_string(),
         }),
@@ -275,10 +270,10 @@ fn parse_placeholder(name: &str) -> Result<KeyField, &'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::{Broker, Source};
+    use crate::envelope::Source;
 
     fn delivery(body: &'static [u8]) -> Delivery {
-        Delivery::new(Source::new(Broker::InProcess, "test"), body)
+        Delivery::new(Source::new("test"), body)
     }
 
     #[test]
@@ -305,41 +300,41 @@ mod tests {
         let plain = delivery(b"not json");
         assert!(matches!(
             KeyExtractor::message_id().extract(&plain),
-            Err(Error::KeyMissing { .. })
+            Err(InputError::KeyMissing { .. })
         ));
         assert!(matches!(
             KeyExtractor::header("x").extract(&plain.clone().with_header("x", "")),
-            Err(Error::KeyEmpty { .. })
+            Err(InputError::KeyEmpty { .. })
         ));
         assert!(matches!(
             KeyExtractor::broker_key().extract(&plain.clone().with_broker_key(&b"\xff\xfe"[..])),
-            Err(Error::KeyNotUtf8 { .. })
+            Err(InputError::KeyNotUtf8 { .. })
         ));
         assert!(matches!(
             KeyExtractor::json_pointer("/id").extract(&plain),
-            Err(Error::BodyNotJson { .. })
+            Err(InputError::BodyNotJson { .. })
         ));
         assert!(matches!(
             KeyExtractor::json_pointer("/id").extract(&delivery(b"\xff{}")),
-            Err(Error::BodyNotJson { .. })
+            Err(InputError::BodyNotJson { .. })
         ));
         let json = delivery(br#"{"id":null,"flag":true,"list":[1]}"#);
         for pointer in ["/missing", "/id"] {
             assert!(matches!(
                 KeyExtractor::json_pointer(pointer).extract(&json),
-                Err(Error::PointerNotFound { .. })
+                Err(InputError::PointerNotFound { .. })
             ));
         }
         for pointer in ["/flag", "/list", ""] {
             assert!(matches!(
                 KeyExtractor::json_pointer(pointer).extract(&json),
-                Err(Error::KeyNotScalar { .. })
+                Err(InputError::KeyNotScalar { .. })
             ));
         }
         let long = plain.clone().with_message_id("x".repeat(DEFAULT_MAX_KEY_LEN + 1));
         assert!(matches!(
             KeyExtractor::message_id().extract(&long),
-            Err(Error::KeyTooLong { len: 257, max: 256 })
+            Err(InputError::KeyTooLong { len: 257, max: 256 })
         ));
         assert!(
             KeyExtractor::message_id()
@@ -350,14 +345,14 @@ mod tests {
         for id in ["a\0b", "a\nb", "\u{1b}[0m"] {
             assert!(matches!(
                 KeyExtractor::message_id().extract(&plain.clone().with_message_id(id)),
-                Err(Error::KeyControlCharacter { .. })
+                Err(InputError::KeyControlCharacter { .. })
             ));
         }
         let numbers = delivery(br#"{"big":12345678901234567890123,"max":18446744073709551615,"neg":-9223372036854775808,"frac":1.5}"#);
         for pointer in ["/big", "/frac"] {
             assert!(matches!(
                 KeyExtractor::json_pointer(pointer).extract(&numbers),
-                Err(Error::KeyNumberInexact { .. })
+                Err(InputError::KeyNumberInexact { .. })
             ));
         }
         let exact = |pointer| {
@@ -368,19 +363,16 @@ mod tests {
         };
         assert_eq!(exact("/max"), "18446744073709551615");
         assert_eq!(exact("/neg"), "-9223372036854775808");
-        for error in [
-            KeyExtractor::message_id().extract(&plain).unwrap_err(),
-            KeyExtractor::json_pointer("/id").extract(&plain).unwrap_err(),
-        ] {
-            assert!(error.is_poison() && !error.is_retryable());
-        }
     }
 
     #[test]
     fn bad_templates_are_config_errors() {
         for template in ["plain", "{", "}", "{nope}", "{header:}", ""] {
             let error = KeyExtractor::template(template).unwrap_err();
-            assert!(error.is_config(), "{template}: {error}");
+            assert!(
+                matches!(error, ConfigError::InvalidTemplate { .. }),
+                "{template}: {error}"
+            );
         }
     }
 }

@@ -49,7 +49,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use oncely::{handler_fn, Broker, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier};
+//! use oncely::{handler_fn, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier};
 //! use oncely::flag::{FlagLayer, MemoryFlagStore};
 //! use oncely::record::{MemoryRecordStore, RecordLayer};
 //! use tower::ServiceBuilder;
@@ -64,46 +64,43 @@
 //!     }));
 //! let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
 //!
-//! let delivery = || Delivery::new(Source::new(Broker::InProcess, "orders"), r#"{"orderId":"o-1"}"#);
+//! let delivery = || Delivery::new(Source::new("orders"), r#"{"orderId":"o-1"}"#);
 //! assert_eq!(route.handle(delivery()).await, Outcome::Processed);
 //! assert_eq!(route.handle(delivery()).await, Outcome::Duplicate { tier: Tier::Flag });
 //! # }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod backend;
 pub mod deliveries;
 mod envelope;
 mod error;
+mod fingerprint;
 pub mod flag;
 mod handler;
 mod key;
 pub mod lock;
-#[cfg(feature = "memory")]
-mod memory;
 mod outcome;
-mod policy;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "prefilter")]
 pub mod prefilter;
 pub mod record;
-#[cfg(feature = "redis")]
-mod redis_backend;
 mod route;
-mod service;
 pub mod state_guard;
 pub mod telemetry;
+pub mod tier;
 mod token;
 
-pub use envelope::{
-    Broker, BusinessKey, Delivery, Envelope, Extensions, Fingerprint, Headers, Position, Source,
-};
-pub use error::{BoxError, Error};
+#[cfg(feature = "redis")]
+pub use backend::redis::{DEFAULT_REDIS_PREFIX, RedisConnection};
+pub use envelope::{BusinessKey, Delivery, Envelope, Extensions, Headers, Position, Source};
+pub use error::{BoxError, ConfigError, Error, InputError, StoreError};
+pub use fingerprint::{Fingerprint, FingerprintPolicy};
 pub use handler::{HandlerError, HandlerFn, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
-pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLater, RetryReason, Tier};
-pub use policy::FailurePolicy;
-#[cfg(feature = "redis")]
-pub use redis_backend::{DEFAULT_REDIS_PREFIX, RedisConnection};
+pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLater, RetryReason};
 pub use route::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_LEN, Route};
-pub use service::BoxFuture;
+pub use tier::{BoxFuture, FailurePolicy, Tier};
 pub use token::Token;

@@ -3,40 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-/// A tier of the stack, named in outcomes, errors and logs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Tier {
-    /// The state-machine guard ([`crate::state_guard`]).
-    StateGuard,
-    /// The fast per-key flag ([`crate::flag`]).
-    Flag,
-    /// The per-entity lease lock ([`crate::lock`]).
-    Lock,
-    /// The durable consumption record ([`crate::record`]).
-    Record,
-    /// The user's handler.
-    Handler,
-}
-
-impl Tier {
-    /// The tier's name in snake case, as used in logs and dead-letter headers.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::StateGuard => "state_guard",
-            Tier::Flag => "flag",
-            Tier::Lock => "lock",
-            Tier::Record => "record",
-            Tier::Handler => "handler",
-        }
-    }
-}
-
-impl fmt::Display for Tier {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+use crate::tier::Tier;
 
 /// What the stack decided for one envelope. Every envelope gets exactly one.
 ///

@@ -11,8 +11,9 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::deliveries::{DeliveryCounter, DeliveryLimit};
-use crate::envelope::{BusinessKey, Delivery, Envelope};
-use crate::error::{BoxError, Error};
+use crate::envelope::{Delivery, Envelope};
+use crate::error::{BoxError, InputError};
+use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyExtractor;
 use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
 
@@ -33,6 +34,7 @@ pub const DEFAULT_MAX_BODY_LEN: usize = 4 * 1024 * 1024;
 pub struct Route<S> {
     name: Arc<str>,
     key: KeyExtractor,
+    fingerprint: FingerprintPolicy,
     max_attempts: u32,
     max_body_len: usize,
     delivery_limit: Option<DeliveryLimit>,
@@ -44,6 +46,7 @@ impl<S: Clone> Clone for Route<S> {
         Route {
             name: self.name.clone(),
             key: self.key.clone(),
+            fingerprint: self.fingerprint.clone(),
             max_attempts: self.max_attempts,
             max_body_len: self.max_body_len,
             delivery_limit: self.delivery_limit.clone(),
@@ -57,6 +60,7 @@ impl<S> fmt::Debug for Route<S> {
         f.debug_struct("Route")
             .field("name", &self.name)
             .field("key", &self.key)
+            .field("fingerprint", &self.fingerprint)
             .field("max_attempts", &self.max_attempts)
             .field("max_body_len", &self.max_body_len)
             .field("delivery_limit", &self.delivery_limit)
@@ -76,6 +80,7 @@ where
         Route {
             name: name.into(),
             key,
+            fingerprint: FingerprintPolicy::WholeBody,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             delivery_limit: None,
@@ -90,6 +95,14 @@ where
     /// redeliveries themselves (RocketMQ); the AMQP runner uses RabbitMQ's own count.
     pub fn with_delivery_limit(mut self, counter: impl DeliveryCounter, max: u32) -> Self {
         self.delivery_limit = Some(DeliveryLimit::new(counter, max));
+        self
+    }
+
+    /// Sets what of each delivery is fingerprinted to tell a duplicate from a key reused
+    /// with another payload (default [`FingerprintPolicy::WholeBody`]); see
+    /// [`FingerprintPolicy`].
+    pub fn with_fingerprint(mut self, policy: FingerprintPolicy) -> Self {
+        self.fingerprint = policy;
         self
     }
 
@@ -157,7 +170,7 @@ where
     async fn run(&self, delivery: Delivery) -> Outcome {
         let body_len = delivery.body().len();
         if body_len > self.max_body_len {
-            let error = Error::BodyTooLarge {
+            let error = InputError::BodyTooLarge {
                 len: body_len,
                 max: self.max_body_len,
             };
@@ -168,28 +181,31 @@ where
             Err(error) => return Outcome::dead_letter(DeadLetterReason::InvalidKey, error.to_string()),
         };
         tracing::Span::current().record("key", key.as_str());
+        let fingerprint = match self.fingerprint.fingerprint(&delivery) {
+            Ok(fingerprint) => fingerprint,
+            Err(error) => {
+                return Outcome::dead_letter(DeadLetterReason::InvalidKey, format!("fingerprint: {error}"));
+            }
+        };
+        let envelope = Envelope::routed(self.name.clone(), key, fingerprint, delivery);
         match &self.delivery_limit {
-            None => self.call_stack(key, delivery).await,
+            None => self.call_stack(envelope).await,
             Some(limit) => {
-                let counted = key.clone();
+                let counted = envelope.key().clone();
                 limit
-                    .run(&counted, async || self.call_stack(key, delivery).await)
+                    .run(&counted, async || self.call_stack(envelope).await)
                     .await
             }
         }
     }
 
-    /// The stack's answer for `key`, with its errors and panics turned into outcomes.
-    async fn call_stack(&self, key: BusinessKey, delivery: Delivery) -> Outcome {
+    /// The stack's answer for `envelope`, with its errors and panics turned into outcomes.
+    async fn call_stack(&self, envelope: Envelope) -> Outcome {
         let failed = |error: S::Error| {
             let error: BoxError = error.into();
             Outcome::retry_later(RetryReason::HandlerFailed, error.to_string(), None)
         };
         let mut stack = self.stack.clone();
-        let mut envelope = Envelope::new(key, delivery);
-        envelope
-            .extensions_mut()
-            .insert(crate::telemetry::RouteName(self.name.clone()));
         // A panic unwinds out of the stack's future, dropping it: every tier's guards run
         // (the record's connection is discarded, the lock's watchdog stops), and the
         // delivery is answered like any other failure instead of taking down the consumer

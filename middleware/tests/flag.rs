@@ -8,8 +8,8 @@ use common::{Effects, count, handle_concurrently, order};
 use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
 use oncely::record::{MemoryRecordStore, RecordLayer};
 use oncely::{
-    BusinessKey, DeadLetterReason, Error, FailurePolicy, Fingerprint, KeyExtractor, Outcome, RetryReason,
-    Route, Tier, Token,
+    BusinessKey, DeadLetterReason, FailurePolicy, Fingerprint, KeyExtractor, Outcome, RetryReason, Route,
+    StoreError, Tier, Token,
 };
 use tower::ServiceBuilder;
 
@@ -138,17 +138,23 @@ async fn a_lease_that_runs_out_lets_a_new_claim_in_and_the_record_behind_catches
 struct Unreachable;
 
 impl FlagStore for Unreachable {
-    async fn claim(&self, _: &BusinessKey, _: Token, _: Duration) -> Result<Claim, Error> {
-        Err(Error::store(Tier::Flag, "connection refused"))
+    async fn claim(&self, _: &BusinessKey, _: Token, _: Duration) -> Result<Claim, StoreError> {
+        Err(StoreError::new("connection refused"))
     }
-    async fn complete(&self, _: &BusinessKey, _: Token, _: Fingerprint, _: Duration) -> Result<bool, Error> {
-        Err(Error::store(Tier::Flag, "connection refused"))
+    async fn complete(
+        &self,
+        _: &BusinessKey,
+        _: Token,
+        _: Fingerprint,
+        _: Duration,
+    ) -> Result<bool, StoreError> {
+        Err(StoreError::new("connection refused"))
     }
-    async fn mark_done(&self, _: &BusinessKey, _: Fingerprint, _: Duration) -> Result<(), Error> {
-        Err(Error::store(Tier::Flag, "connection refused"))
+    async fn mark_done(&self, _: &BusinessKey, _: Fingerprint, _: Duration) -> Result<(), StoreError> {
+        Err(StoreError::new("connection refused"))
     }
-    async fn release(&self, _: &BusinessKey, _: Token) -> Result<bool, Error> {
-        Err(Error::store(Tier::Flag, "connection refused"))
+    async fn release(&self, _: &BusinessKey, _: Token) -> Result<bool, StoreError> {
+        Err(StoreError::new("connection refused"))
     }
 }
 

@@ -9,7 +9,7 @@ use common::{Effects, count, handle_concurrently, order};
 use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
 use oncely::prefilter::{BitmapPreFilter, BloomPreFilter, PreFilter, PreFilterLayer, Verdict};
 use oncely::record::{MemoryRecordStore, RecordLayer};
-use oncely::{BusinessKey, Envelope, Fingerprint, KeyExtractor, Outcome, Route, Tier, Token};
+use oncely::{BusinessKey, ConfigError, Envelope, Fingerprint, KeyExtractor, Outcome, Route, Tier, Token};
 use tower::ServiceBuilder;
 
 /// Pre-filter, flag (skipping its claim for certainly new keys) and record, in front of a
@@ -66,9 +66,18 @@ fn a_bloom_filter_never_calls_a_remembered_key_new() {
 
 #[test]
 fn a_bloom_filter_refuses_impossible_sizes() {
-    assert!(BloomPreFilter::new(0, 0.01).unwrap_err().is_config());
-    assert!(BloomPreFilter::new(10, 0.0).unwrap_err().is_config());
-    assert!(BloomPreFilter::new(10, 1.0).unwrap_err().is_config());
+    assert!(matches!(
+        BloomPreFilter::new(0, 0.01),
+        Err(ConfigError::InvalidPreFilter { .. })
+    ));
+    assert!(matches!(
+        BloomPreFilter::new(10, 0.0),
+        Err(ConfigError::InvalidPreFilter { .. })
+    ));
+    assert!(matches!(
+        BloomPreFilter::new(10, 1.0),
+        Err(ConfigError::InvalidPreFilter { .. })
+    ));
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{Effects, delivery};
 use oncely::record::{MemoryRecordStore, RecordLayer};
 use oncely::state_guard::{MemoryStateStore, StateGuardLayer, StateMachine, StateStore};
-use oncely::{DeadLetterReason, Error, KeyExtractor, Outcome, RetryReason, Route, Tier};
+use oncely::{DeadLetterReason, KeyExtractor, Outcome, RetryReason, Route, StoreError, Tier};
 use tower::ServiceBuilder;
 
 const LIFECYCLE: [&str; 6] = [
@@ -96,13 +96,18 @@ struct FirstCommitFails {
 }
 
 impl StateStore for FirstCommitFails {
-    async fn current(&self, entity: &str) -> Result<Option<String>, Error> {
+    async fn current(&self, entity: &str) -> Result<Option<String>, StoreError> {
         self.store.current(entity).await
     }
 
-    async fn compare_and_set(&self, entity: &str, expected: Option<&str>, next: &str) -> Result<bool, Error> {
+    async fn compare_and_set(
+        &self,
+        entity: &str,
+        expected: Option<&str>,
+        next: &str,
+    ) -> Result<bool, StoreError> {
         if !self.failed.swap(true, Ordering::SeqCst) {
-            return Err(Error::store(Tier::StateGuard, "connection reset"));
+            return Err(StoreError::new("connection reset"));
         }
         self.store.compare_and_set(entity, expected, next).await
     }

@@ -2,7 +2,7 @@
 
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::types::{AMQPValue, FieldTable};
-use oncely::{Broker, Delivery, Headers, Source};
+use oncely::{Delivery, Headers, Source};
 
 /// The header carrying oncely's attempt number on messages the runner sends back for a
 /// retry; absent on a first delivery.
@@ -19,7 +19,7 @@ pub fn to_delivery(delivery: &AmqpDelivery, queue: &str) -> Delivery {
     let properties = &delivery.properties;
     let headers = properties.headers().as_ref().map(to_headers).unwrap_or_default();
     let attempt = properties.headers().as_ref().and_then(attempt_of).unwrap_or(1);
-    let mut converted = Delivery::new(Source::new(Broker::Amqp, queue), delivery.data.clone())
+    let mut converted = Delivery::new(Source::new(queue), delivery.data.clone())
         .with_headers(headers)
         .with_attempt(attempt)
         .with_redelivered(delivery.redelivered);

@@ -1,6 +1,6 @@
 //! RocketMQ messages → oncely deliveries.
 
-use oncely::{Broker, Delivery, Headers, Position, Source};
+use oncely::{Delivery, Headers, Position, Source};
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::{MessageConst, STRING_HASH_SET};
 
@@ -31,13 +31,10 @@ pub fn to_delivery(message: &MessageExt) -> Delivery {
         }
     }
 
-    let mut delivery = Delivery::new(
-        Source::new(Broker::RocketMq, topic),
-        message.body().unwrap_or_default(),
-    )
-    .with_headers(headers)
-    .with_attempt(reconsume_times.saturating_add(1))
-    .with_redelivered(reconsume_times > 0);
+    let mut delivery = Delivery::new(Source::new(topic), message.body().unwrap_or_default())
+        .with_headers(headers)
+        .with_attempt(reconsume_times.saturating_add(1))
+        .with_redelivered(reconsume_times > 0);
     if let Some(key) = property(MessageConst::PROPERTY_KEYS).and_then(|keys| {
         keys.split(MessageConst::KEY_SEPARATOR)
             .find(|key| !key.is_empty())

@@ -29,7 +29,7 @@ use oncely::lock::{LockLayer, MemoryLockStore};
 use oncely::record::{MemoryRecordStore, RecordLayer};
 use oncely::state_guard::{MemoryStateStore, StateGuardLayer, StateMachine};
 use oncely::{
-    BoxError, Broker, BrokerAction, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source,
+    BoxError, BrokerAction, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source,
     handler_fn,
 };
 use tokio::sync::mpsc;
@@ -112,7 +112,7 @@ impl Message {
             Topic::Orders => "orders",
             Topic::Shipments => "shipments",
         };
-        Delivery::new(Source::new(Broker::InProcess, queue), self.body.clone())
+        Delivery::new(Source::new(queue), self.body.clone())
             .with_message_id(self.id.clone())
             .with_attempt(self.attempt)
             .with_redelivered(self.redelivered)

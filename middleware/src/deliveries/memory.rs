@@ -3,10 +3,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::store::DeliveryCounter;
+use crate::backend::memory::{Expiring, Shared};
 use crate::envelope::BusinessKey;
-use crate::error::Error;
-use crate::memory::{Expiring, Shared};
-use crate::service::BoxFuture;
+use crate::error::StoreError;
+use crate::tier::BoxFuture;
 
 /// An in-memory [`DeliveryCounter`] for tests. It dies with the process, so it cannot see
 /// the crash it exists for: use [`RedisDeliveryCounter`](crate::deliveries::RedisDeliveryCounter)
@@ -24,12 +24,12 @@ impl MemoryDeliveryCounter {
 }
 
 impl DeliveryCounter for MemoryDeliveryCounter {
-    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, Error>> {
+    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, StoreError>> {
         let count = self.counts.lock().get(key, Instant::now()).copied().unwrap_or(0);
         Box::pin(async move { Ok(count) })
     }
 
-    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), Error>> {
+    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>> {
         let now = Instant::now();
         let mut counts = self.counts.lock();
         let count = counts.get(key, now).copied().unwrap_or(0);
@@ -37,7 +37,7 @@ impl DeliveryCounter for MemoryDeliveryCounter {
         Box::pin(async { Ok(()) })
     }
 
-    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
         let now = Instant::now();
         let mut counts = self.counts.lock();
         match counts.get(key, now).copied() {
@@ -49,7 +49,7 @@ impl DeliveryCounter for MemoryDeliveryCounter {
         Box::pin(async { Ok(()) })
     }
 
-    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
         self.counts.lock().remove(key);
         Box::pin(async { Ok(()) })
     }

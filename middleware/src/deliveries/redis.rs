@@ -3,11 +3,10 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use super::store::DeliveryCounter;
+use crate::backend::redis::{DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
 use crate::envelope::BusinessKey;
-use crate::error::Error;
-use crate::outcome::Tier;
-use crate::redis_backend::{DEFAULT_REDIS_PREFIX, RedisConnection, millis, store_error, tagged_key};
-use crate::service::BoxFuture;
+use crate::error::StoreError;
+use crate::tier::BoxFuture;
 
 /// Takes back one start, deleting the counter at zero so no empty keys linger.
 static RELEASE: LazyLock<redis::Script> = LazyLock::new(|| {
@@ -53,25 +52,20 @@ impl<C> fmt::Debug for RedisDeliveryCounter<C> {
     }
 }
 
-/// Store failures are reported as the record tier's: the counter guards what reaches it.
-fn failed(error: redis::RedisError) -> Error {
-    store_error(Tier::Record)(error)
-}
-
 impl<C: RedisConnection> DeliveryCounter for RedisDeliveryCounter<C> {
-    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, Error>> {
+    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, StoreError>> {
         let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
         Box::pin(async move {
             let count: Option<u32> = redis::cmd("GET")
                 .arg(key)
                 .query_async(&mut connection)
                 .await
-                .map_err(failed)?;
+                .map_err(StoreError::from)?;
             Ok(count.unwrap_or(0))
         })
     }
 
-    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), Error>> {
+    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>> {
         let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
         Box::pin(async move {
             redis::pipe()
@@ -82,29 +76,29 @@ impl<C: RedisConnection> DeliveryCounter for RedisDeliveryCounter<C> {
                 .ignore()
                 .query_async::<()>(&mut connection)
                 .await
-                .map_err(failed)
+                .map_err(StoreError::from)
         })
     }
 
-    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
         let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
         Box::pin(async move {
             RELEASE
                 .key(key)
                 .invoke_async::<()>(&mut connection)
                 .await
-                .map_err(failed)
+                .map_err(StoreError::from)
         })
     }
 
-    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>> {
+    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
         let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
         Box::pin(async move {
             redis::cmd("DEL")
                 .arg(key)
                 .query_async::<()>(&mut connection)
                 .await
-                .map_err(failed)
+                .map_err(StoreError::from)
         })
     }
 }

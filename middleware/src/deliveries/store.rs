@@ -1,8 +1,8 @@
 use std::time::Duration;
 
 use crate::envelope::BusinessKey;
-use crate::error::Error;
-use crate::service::BoxFuture;
+use crate::error::StoreError;
+use crate::tier::BoxFuture;
 
 /// A backend for the [delivery limit](crate::deliveries): per key, how many times a delivery
 /// started without being settled. Shared by every consumer process of a route, so a crash
@@ -12,14 +12,14 @@ use crate::service::BoxFuture;
 /// type parameter.
 pub trait DeliveryCounter: Send + Sync + 'static {
     /// How many unsettled starts `key` has (0 when none).
-    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, Error>>;
+    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, StoreError>>;
 
     /// Counts one more start of `key`, kept for `ttl` after the last one.
-    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), Error>>;
+    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>>;
 
     /// Takes back one start of `key`: its delivery was answered with a wait.
-    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>>;
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>>;
 
     /// Forgets `key`'s starts: its delivery was answered.
-    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), Error>>;
+    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>>;
 }

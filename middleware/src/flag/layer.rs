@@ -2,8 +2,7 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::service::FlagService;
-use crate::policy::FailurePolicy;
+use crate::tier::{FailurePolicy, TierService};
 
 /// Adds the [flag tier](crate::flag) in front of a service.
 ///
@@ -72,16 +71,6 @@ impl<St> FlagLayer<St> {
         self.skip_claim_when_certainly_new = true;
         self
     }
-
-    /// The done marker's retention.
-    pub fn retention(&self) -> Duration {
-        self.retention
-    }
-
-    /// The in-flight lease.
-    pub fn lease(&self) -> Duration {
-        self.lease
-    }
 }
 
 fn retention_for(retry_window: Duration) -> Duration {
@@ -89,13 +78,10 @@ fn retention_for(retry_window: Duration) -> Duration {
 }
 
 impl<S, St: Clone> Layer<S> for FlagLayer<St> {
-    type Service = crate::telemetry::Measured<FlagService<crate::telemetry::Passed<S>, St>>;
+    type Service = TierService<S, Self>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::measured(crate::outcome::Tier::Flag, inner, |inner| FlagService {
-            inner,
-            config: self.clone(),
-        })
+        TierService::new(inner, self.clone())
     }
 }
 

@@ -3,9 +3,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::store::{Claim, FlagStore};
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
-use crate::memory::{Expiring, Shared};
+use crate::backend::memory::{Expiring, Shared};
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
 use crate::token::Token;
 
 #[derive(Clone, Copy, Debug)]
@@ -52,7 +53,7 @@ impl MemoryFlagStore {
 }
 
 impl FlagStore for MemoryFlagStore {
-    async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, Error> {
+    async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, StoreError> {
         let mut markers = self.markers.lock();
         let now = Instant::now();
         Ok(match markers.get(key, now) {
@@ -71,7 +72,7 @@ impl FlagStore for MemoryFlagStore {
         token: Token,
         fingerprint: Fingerprint,
         retention: Duration,
-    ) -> Result<bool, Error> {
+    ) -> Result<bool, StoreError> {
         Ok(self.swap_if_held(key, token, Some((Marker::Done(fingerprint), retention))))
     }
 
@@ -80,7 +81,7 @@ impl FlagStore for MemoryFlagStore {
         key: &BusinessKey,
         fingerprint: Fingerprint,
         retention: Duration,
-    ) -> Result<(), Error> {
+    ) -> Result<(), StoreError> {
         let now = Instant::now();
         self.markers
             .lock()
@@ -88,7 +89,7 @@ impl FlagStore for MemoryFlagStore {
         Ok(())
     }
 
-    async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, Error> {
+    async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, StoreError> {
         Ok(self.swap_if_held(key, token, None))
     }
 }

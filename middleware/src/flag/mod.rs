@@ -23,18 +23,18 @@
 //! then a lost marker only costs a trip to the record. That is also why the flag fails open
 //! by default when its store is down.
 
+mod decision;
 mod layer;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
-mod service;
 mod store;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisFlagStore;
+pub use decision::FlagTicket;
 pub use layer::FlagLayer;
 #[cfg(feature = "memory")]
 pub use memory::MemoryFlagStore;
-pub use service::FlagService;
 pub use store::{Claim, FlagStore};

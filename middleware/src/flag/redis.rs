@@ -5,12 +5,10 @@ use std::time::Duration;
 use redis::Script;
 
 use super::store::{Claim, FlagStore};
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
-use crate::outcome::Tier;
-use crate::redis_backend::{
-    COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, store_error, tagged_key,
-};
+use crate::backend::redis::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
 use crate::token::Token;
 
 const IN_FLIGHT: &str = "i:";
@@ -83,7 +81,7 @@ impl<C> fmt::Debug for RedisFlagStore<C> {
     }
 }
 
-fn parse_marker(marker: &str) -> Result<Claim, Error> {
+fn parse_marker(marker: &str) -> Result<Claim, StoreError> {
     if marker.starts_with(IN_FLIGHT) {
         return Ok(Claim::InFlight);
     }
@@ -91,11 +89,11 @@ fn parse_marker(marker: &str) -> Result<Claim, Error> {
         .strip_prefix(DONE)
         .and_then(|hex| u128::from_str_radix(hex, 16).ok())
         .map(|value| Claim::Done(Fingerprint::from_u128(value)))
-        .ok_or_else(|| Error::store(Tier::Flag, format!("unexpected flag marker {marker:?}")))
+        .ok_or_else(|| StoreError::malformed(format!("unexpected flag marker {marker:?}")))
 }
 
 impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
-    async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, Error> {
+    async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, StoreError> {
         let previous: Option<String> = redis::cmd("SET")
             .arg(self.redis_key(key))
             .arg(format!("{IN_FLIGHT}{token}"))
@@ -104,8 +102,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
             .arg("PX")
             .arg(millis(lease))
             .query_async(&mut self.connection.clone())
-            .await
-            .map_err(store_error(Tier::Flag))?;
+            .await?;
         previous.map_or(Ok(Claim::Won), |marker| parse_marker(&marker))
     }
 
@@ -115,7 +112,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
         token: Token,
         fingerprint: Fingerprint,
         retention: Duration,
-    ) -> Result<bool, Error> {
+    ) -> Result<bool, StoreError> {
         COMPLETE
             .key(self.redis_key(key))
             .arg(format!("{IN_FLIGHT}{token}"))
@@ -123,7 +120,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
             .arg(millis(retention))
             .invoke_async(&mut self.connection.clone())
             .await
-            .map_err(store_error(Tier::Flag))
+            .map_err(StoreError::from)
     }
 
     async fn mark_done(
@@ -131,7 +128,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
         key: &BusinessKey,
         fingerprint: Fingerprint,
         retention: Duration,
-    ) -> Result<(), Error> {
+    ) -> Result<(), StoreError> {
         redis::cmd("SET")
             .arg(self.redis_key(key))
             .arg(format!("{DONE}{fingerprint}"))
@@ -139,15 +136,15 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
             .arg(millis(retention))
             .query_async(&mut self.connection.clone())
             .await
-            .map_err(store_error(Tier::Flag))
+            .map_err(StoreError::from)
     }
 
-    async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, Error> {
+    async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, StoreError> {
         COMPARE_AND_DELETE
             .key(self.redis_key(key))
             .arg(format!("{IN_FLIGHT}{token}"))
             .invoke_async(&mut self.connection.clone())
             .await
-            .map_err(store_error(Tier::Flag))
+            .map_err(StoreError::from)
     }
 }

@@ -1,8 +1,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
 use crate::token::Token;
 
 /// What a claim found.
@@ -28,7 +29,7 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
         key: &BusinessKey,
         token: Token,
         lease: Duration,
-    ) -> impl Future<Output = Result<Claim, Error>> + Send;
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Turns the in-flight marker held by `token` into "done with `fingerprint`", kept for
     /// `retention`. Returns false (and changes nothing) when the marker is not `token`'s.
@@ -38,7 +39,7 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
         token: Token,
         fingerprint: Fingerprint,
         retention: Duration,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Marks `key` "done with `fingerprint`" for `retention` without a claim, replacing any
     /// marker: for a delivery the durable tier behind has already settled without the flag
@@ -48,9 +49,13 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
         key: &BusinessKey,
         fingerprint: Fingerprint,
         retention: Duration,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Deletes the in-flight marker held by `token`. Returns false (and changes nothing) when
     /// the marker is not `token`'s.
-    fn release(&self, key: &BusinessKey, token: Token) -> impl Future<Output = Result<bool, Error>> + Send;
+    fn release(
+        &self,
+        key: &BusinessKey,
+        token: Token,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }

@@ -2,9 +2,8 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::service::LockService;
 use crate::key::KeyExtractor;
-use crate::policy::FailurePolicy;
+use crate::tier::{FailurePolicy, TierService};
 
 /// Adds the [lock tier](crate::lock) in front of a service.
 #[derive(Clone, Debug)]
@@ -64,12 +63,9 @@ impl<St> LockLayer<St> {
 }
 
 impl<S, St: Clone> Layer<S> for LockLayer<St> {
-    type Service = crate::telemetry::Measured<LockService<crate::telemetry::Passed<S>, St>>;
+    type Service = TierService<S, Self>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::measured(crate::outcome::Tier::Lock, inner, |inner| LockService {
-            inner,
-            config: self.clone(),
-        })
+        TierService::new(inner, self.clone())
     }
 }

@@ -5,8 +5,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::store::LockStore;
-use crate::error::Error;
-use crate::memory::{Expiring, Shared};
+use crate::backend::memory::{Expiring, Shared};
+use crate::error::StoreError;
 use crate::token::Token;
 
 /// An in-memory [`LockStore`] for tests and the quickstart.
@@ -37,7 +37,7 @@ impl MemoryLockStore {
 }
 
 impl LockStore for MemoryLockStore {
-    async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, Error> {
+    async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, StoreError> {
         let mut holders = self.holders.lock();
         let now = Instant::now();
         if holders.get(entity, now).is_some() {
@@ -47,7 +47,7 @@ impl LockStore for MemoryLockStore {
         Ok(Some(self.fencing.fetch_add(1, Ordering::Relaxed) + 1))
     }
 
-    async fn renew(&self, entity: &str, token: Token, lease: Duration) -> Result<bool, Error> {
+    async fn renew(&self, entity: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         let mut holders = self.holders.lock();
         let held = Self::held_by(&mut holders, entity, token);
         if held {
@@ -56,7 +56,7 @@ impl LockStore for MemoryLockStore {
         Ok(held)
     }
 
-    async fn release(&self, entity: &str, token: Token) -> Result<bool, Error> {
+    async fn release(&self, entity: &str, token: Token) -> Result<bool, StoreError> {
         let mut holders = self.holders.lock();
         let held = Self::held_by(&mut holders, entity, token);
         if held {

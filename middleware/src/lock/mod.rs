@@ -25,20 +25,20 @@
 //! If the future running a delivery is dropped, the watchdog stops and the lock is left to
 //! expire with its lease.
 
+mod decision;
 mod layer;
 mod lease;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
-mod service;
 mod store;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisLockStore;
+pub use decision::LockTicket;
 pub use layer::LockLayer;
 pub use lease::LockLease;
 #[cfg(feature = "memory")]
 pub use memory::MemoryLockStore;
-pub use service::LockService;
 pub use store::LockStore;

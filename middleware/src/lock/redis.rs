@@ -5,11 +5,8 @@ use std::time::Duration;
 use redis::Script;
 
 use super::store::LockStore;
-use crate::error::Error;
-use crate::outcome::Tier;
-use crate::redis_backend::{
-    COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, store_error, tagged_key,
-};
+use crate::backend::redis::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use crate::error::StoreError;
 use crate::token::Token;
 
 /// Takes the lock if free and hands out the next fencing token, in one step.
@@ -105,7 +102,7 @@ impl<C> fmt::Debug for RedisLockStore<C> {
 }
 
 impl<C: RedisConnection> LockStore for RedisLockStore<C> {
-    async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, Error> {
+    async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, StoreError> {
         ACQUIRE
             .key(self.redis_key(entity))
             .key(self.fence_key(entity))
@@ -113,25 +110,25 @@ impl<C: RedisConnection> LockStore for RedisLockStore<C> {
             .arg(millis(lease))
             .invoke_async(&mut self.connection.clone())
             .await
-            .map_err(store_error(Tier::Lock))
+            .map_err(StoreError::from)
     }
 
-    async fn renew(&self, entity: &str, token: Token, lease: Duration) -> Result<bool, Error> {
+    async fn renew(&self, entity: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         RENEW
             .key(self.redis_key(entity))
             .arg(token.to_string())
             .arg(millis(lease))
             .invoke_async(&mut self.connection.clone())
             .await
-            .map_err(store_error(Tier::Lock))
+            .map_err(StoreError::from)
     }
 
-    async fn release(&self, entity: &str, token: Token) -> Result<bool, Error> {
+    async fn release(&self, entity: &str, token: Token) -> Result<bool, StoreError> {
         COMPARE_AND_DELETE
             .key(self.redis_key(entity))
             .arg(token.to_string())
             .invoke_async(&mut self.connection.clone())
             .await
-            .map_err(store_error(Tier::Lock))
+            .map_err(StoreError::from)
     }
 }

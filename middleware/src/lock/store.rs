@@ -1,7 +1,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::error::Error;
+use crate::error::StoreError;
 use crate::token::Token;
 
 /// A backend for the [lock tier](crate::lock).
@@ -17,7 +17,7 @@ pub trait LockStore: Clone + Send + Sync + 'static {
         entity: &str,
         token: Token,
         lease: Duration,
-    ) -> impl Future<Output = Result<Option<u64>, Error>> + Send;
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
 
     /// Extends the lease of the lock held by `token` to `lease` from now. False when the lock
     /// is no longer `token`'s.
@@ -26,8 +26,8 @@ pub trait LockStore: Clone + Send + Sync + 'static {
         entity: &str,
         token: Token,
         lease: Duration,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Frees the lock held by `token`. False when it was no longer `token`'s.
-    fn release(&self, entity: &str, token: Token) -> impl Future<Output = Result<bool, Error>> + Send;
+    fn release(&self, entity: &str, token: Token) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }

@@ -4,7 +4,7 @@ use fastbloom::AtomicBloomFilter;
 
 use super::store::{PreFilter, Verdict};
 use crate::envelope::BusinessKey;
-use crate::error::Error;
+use crate::error::ConfigError;
 
 /// A [`PreFilter`] on a Bloom filter (the `fastbloom` crate), for keys of any shape.
 ///
@@ -22,14 +22,14 @@ pub struct BloomPreFilter {
 impl BloomPreFilter {
     /// A filter for `expected_items` keys with false positives at `false_positive_rate`
     /// (between 0 and 1, exclusive) at that size.
-    pub fn new(expected_items: usize, false_positive_rate: f64) -> Result<Self, Error> {
+    pub fn new(expected_items: usize, false_positive_rate: f64) -> Result<Self, ConfigError> {
         if expected_items == 0 {
-            return Err(Error::InvalidPreFilter {
+            return Err(ConfigError::InvalidPreFilter {
                 reason: "expected_items must be at least 1".into(),
             });
         }
         if !(false_positive_rate > 0.0 && false_positive_rate < 1.0) {
-            return Err(Error::InvalidPreFilter {
+            return Err(ConfigError::InvalidPreFilter {
                 reason: format!("false_positive_rate {false_positive_rate} is not between 0 and 1"),
             });
         }

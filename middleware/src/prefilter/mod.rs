@@ -4,8 +4,8 @@
 //! Most messages are not duplicates. A [`BloomPreFilter`] (or, for numeric ids, an exact
 //! [`BitmapPreFilter`]) in front of the stack says of each key either
 //! [`Verdict::CertainlyNew`] — it was never settled here — or [`Verdict::MaybeSeen`]. A
-//! certainly new envelope carries the [`CertainlyNew`] extension, and the tiers behind that
-//! support it skip their lookups: a [flag](crate::flag) configured with
+//! certainly new envelope is marked ([`Envelope::is_certainly_new`](crate::Envelope::is_certainly_new)),
+//! and the tiers behind that support it skip their lookups: a [flag](crate::flag) configured with
 //! [`skip_claim_when_certainly_new`](crate::flag::FlagLayer::skip_claim_when_certainly_new)
 //! skips its Redis claim and only marks the key done afterwards. The durable tier's atomic
 //! claim (the [record](crate::record)) always runs: it stays the final word, so two copies
@@ -30,7 +30,6 @@ mod bloom;
 mod layer;
 #[cfg(feature = "postgres")]
 mod postgres;
-mod service;
 mod store;
 
 pub use bitmap::BitmapPreFilter;
@@ -38,10 +37,4 @@ pub use bloom::BloomPreFilter;
 pub use layer::PreFilterLayer;
 #[cfg(feature = "postgres")]
 pub use postgres::rebuild_from_records;
-pub use service::PreFilterService;
 pub use store::{PreFilter, Verdict};
-
-/// The envelope extension a [`PreFilterService`] sets when its filter found the key
-/// certainly new. Tiers read it with `envelope.extensions().get::<CertainlyNew>()`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CertainlyNew;

@@ -5,10 +5,10 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 
 use super::store::PreFilter;
+use crate::backend::postgres::Table;
+use crate::backend::postgres::record::Statements;
 use crate::envelope::BusinessKey;
-use crate::error::Error;
-use crate::outcome::Tier;
-use crate::postgres::Table;
+use crate::error::StoreError;
 
 /// Rows read per query while rebuilding.
 const REBUILD_BATCH: i64 = 10_000;
@@ -29,25 +29,14 @@ pub async fn rebuild_from_records<F: PreFilter>(
     records: &Table,
     window: Duration,
     mut progress: impl FnMut(u64),
-) -> Result<u64, Error> {
-    let client = pool
-        .get()
-        .await
-        .map_err(|error| Error::store(Tier::Record, error))?;
-    let statement = client
-        .prepare(&format!(
-            "SELECT id, message_key FROM {records}
-             WHERE status = 'SUCCESS' AND updated_at > now() - make_interval(secs => $1) AND id > $2
-             ORDER BY id LIMIT $3"
-        ))
-        .await
-        .map_err(|error| Error::store(Tier::Record, error))?;
+) -> Result<u64, StoreError> {
+    let client = pool.get().await?;
+    let statement = client.prepare(&Statements::new(records).recent_successes).await?;
     let (mut after, mut read) = (0_i64, 0_u64);
     loop {
         let rows = client
             .query(&statement, &[&window.as_secs_f64(), &after, &REBUILD_BATCH])
-            .await
-            .map_err(|error| Error::store(Tier::Record, error))?;
+            .await?;
         for row in &rows {
             after = row.get(0);
             filter.remember(&BusinessKey::new(row.get::<_, String>(1)));

@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::service::RecordService;
+use crate::tier::TierService;
 
 /// Adds the [record tier](crate::record) in front of a service.
 #[derive(Clone, Debug)]
@@ -37,12 +37,9 @@ impl<St> RecordLayer<St> {
 }
 
 impl<S, St: Clone> Layer<S> for RecordLayer<St> {
-    type Service = crate::telemetry::Measured<RecordService<crate::telemetry::Passed<S>, St>>;
+    type Service = TierService<S, Self>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::measured(crate::outcome::Tier::Record, inner, |inner| RecordService {
-            inner,
-            config: self.clone(),
-        })
+        TierService::new(inner, self.clone())
     }
 }

@@ -4,9 +4,10 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
-use crate::memory::Shared;
+use crate::backend::memory::Shared;
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
 
 #[derive(Debug)]
 struct Entry {
@@ -28,15 +29,6 @@ impl MemoryRecordStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// How many records are in each status.
-    pub fn count_by_status(&self) -> HashMap<RecordStatus, usize> {
-        let mut counts = HashMap::new();
-        for entry in self.records.lock().values() {
-            *counts.entry(entry.record.status).or_default() += 1;
-        }
-        counts
     }
 
     fn settle(&self, key: &BusinessKey, attempt: u32, status: RecordStatus, error: Option<&str>) -> bool {
@@ -64,7 +56,7 @@ impl RecordStore for MemoryRecordStore {
         fingerprint: Fingerprint,
         lease: Duration,
         fencing_token: Option<u64>,
-    ) -> Result<Begin, Error> {
+    ) -> Result<Begin, StoreError> {
         let mut records = self.records.lock();
         let now = Instant::now();
         let Some(entry) = records.get_mut(key) else {
@@ -89,7 +81,7 @@ impl RecordStore for MemoryRecordStore {
             return Ok(Begin::Started { attempt: 1 });
         };
         let record = &mut entry.record;
-        if record.fingerprint != fingerprint {
+        if !fingerprint.matches(record.fingerprint) {
             return Ok(Begin::Conflict {
                 recorded: record.fingerprint,
             });
@@ -113,15 +105,15 @@ impl RecordStore for MemoryRecordStore {
         }
     }
 
-    async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, Error> {
+    async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, StoreError> {
         Ok(self.settle(key, attempt, RecordStatus::Success, None))
     }
 
-    async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, Error> {
+    async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, StoreError> {
         Ok(self.settle(key, attempt, RecordStatus::Failure, Some(error)))
     }
 
-    async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, Error> {
+    async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, StoreError> {
         Ok(self.records.lock().get(key).map(|entry| entry.record.clone()))
     }
 }

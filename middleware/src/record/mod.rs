@@ -27,23 +27,23 @@
 //! The record tier always fails closed: when its store is down, the outcome is
 //! [`RetryLater`](crate::Outcome::RetryLater), because no tier stands behind it.
 
+mod decision;
 mod layer;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod safe;
-mod service;
 mod store;
 
+pub use decision::RecordTicket;
 pub use layer::RecordLayer;
 #[cfg(feature = "memory")]
 pub use memory::MemoryRecordStore;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    EffectCheck, PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalService, ReconcileReport,
+    EffectCheck, PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalTicket, ReconcileReport,
     Reconciler,
 };
 pub use safe::{AssertTransactionSafe, TransactionSafe};
-pub use service::RecordService;
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

@@ -18,7 +18,7 @@ use tower_service::Service;
 /// implement this trait, and such an order does not compile.
 ///
 /// Implemented for the handler ([`HandlerFn`](crate::HandlerFn)), the pre-filter tier and
-/// the telemetry wrappers around them, and tower's `Timeout`. Wrap any other
+/// tower's `Timeout`. Wrap any other
 /// service you have checked (a `tower::service_fn`, a boxed service) in
 /// [`AssertTransactionSafe`].
 #[diagnostic::on_unimplemented(
@@ -31,9 +31,10 @@ pub trait TransactionSafe {}
 
 impl<F> TransactionSafe for crate::HandlerFn<F> {}
 #[cfg(feature = "prefilter")]
-impl<S: TransactionSafe, F> TransactionSafe for crate::prefilter::PreFilterService<S, F> {}
-impl<S: TransactionSafe> TransactionSafe for crate::telemetry::Measured<S> {}
-impl<S: TransactionSafe> TransactionSafe for crate::telemetry::Passed<S> {}
+impl<S: TransactionSafe, F> TransactionSafe
+    for crate::tier::TierService<S, crate::prefilter::PreFilterLayer<F>>
+{
+}
 impl<S: TransactionSafe> TransactionSafe for tower::timeout::Timeout<S> {}
 impl<S> TransactionSafe for AssertTransactionSafe<S> {}
 

@@ -2,8 +2,11 @@ use std::fmt;
 use std::future::Future;
 use std::time::{Duration, SystemTime};
 
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::outcome::{Outcome, RetryReason};
+use crate::tier::{Tier, in_flight, payload_mismatch};
 
 /// The status of a consumption record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,6 +80,29 @@ pub enum Begin {
     Fenced,
 }
 
+impl Begin {
+    /// The attempt this delivery owns, or the outcome when the tiers behind must not run:
+    /// the one reading of a claim, for both record modes.
+    pub(crate) fn into_attempt(
+        self,
+        key: &BusinessKey,
+        fingerprint: Fingerprint,
+        in_flight_delay: std::time::Duration,
+    ) -> Result<u32, Outcome> {
+        match self {
+            Begin::Started { attempt } => Ok(attempt),
+            Begin::Done => Err(Outcome::Duplicate { tier: Tier::Record }),
+            Begin::InProgress => Err(in_flight(Tier::Record, key, in_flight_delay)),
+            Begin::Fenced => Err(Outcome::retry_later(
+                RetryReason::LeaseLost,
+                format!("key {key} was written under a newer lock than this delivery's"),
+                None,
+            )),
+            Begin::Conflict { recorded } => Err(payload_mismatch(key, recorded, fingerprint)),
+        }
+    }
+}
+
 /// A backend for the [record tier](crate::record).
 ///
 /// `begin` must be atomic per key: of concurrent begins, at most one gets `Started` for a
@@ -97,10 +123,14 @@ pub trait RecordStore: Clone + Send + Sync + 'static {
         fingerprint: Fingerprint,
         lease: Duration,
         fencing_token: Option<u64>,
-    ) -> impl Future<Output = Result<Begin, Error>> + Send;
+    ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
 
     /// Marks attempt `attempt` of `key` `SUCCESS`. False when that attempt no longer owns it.
-    fn succeed(&self, key: &BusinessKey, attempt: u32) -> impl Future<Output = Result<bool, Error>> + Send;
+    fn succeed(
+        &self,
+        key: &BusinessKey,
+        attempt: u32,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Marks attempt `attempt` of `key` `FAILURE` with `error`. False when that attempt no
     /// longer owns it.
@@ -109,9 +139,11 @@ pub trait RecordStore: Clone + Send + Sync + 'static {
         key: &BusinessKey,
         attempt: u32,
         error: &str,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// The record of `key`, if any.
-    fn get(&self, key: &BusinessKey)
-    -> impl Future<Output = Result<Option<ConsumptionRecord>, Error>> + Send;
+    fn get(
+        &self,
+        key: &BusinessKey,
+    ) -> impl Future<Output = Result<Option<ConsumptionRecord>, StoreError>> + Send;
 }

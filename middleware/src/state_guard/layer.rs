@@ -1,8 +1,8 @@
 use tower_layer::Layer;
 
 use super::machine::StateMachine;
-use super::service::StateGuardService;
 use crate::key::KeyExtractor;
+use crate::tier::TierService;
 
 /// Adds the [state-machine guard](crate::state_guard) in front of a service.
 #[derive(Clone, Debug)]
@@ -27,14 +27,9 @@ impl<St> StateGuardLayer<St> {
 }
 
 impl<S, St: Clone> Layer<S> for StateGuardLayer<St> {
-    type Service = crate::telemetry::Measured<StateGuardService<crate::telemetry::Passed<S>, St>>;
+    type Service = TierService<S, Self>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::measured(crate::outcome::Tier::StateGuard, inner, |inner| {
-            StateGuardService {
-                inner,
-                config: self.clone(),
-            }
-        })
+        TierService::new(inner, self.clone())
     }
 }

@@ -1,8 +1,8 @@
 use std::collections::HashMap;
 
 use super::store::StateStore;
-use crate::error::Error;
-use crate::memory::Shared;
+use crate::backend::memory::Shared;
+use crate::error::StoreError;
 
 /// An in-memory [`StateStore`] for tests and the quickstart.
 ///
@@ -21,11 +21,16 @@ impl MemoryStateStore {
 }
 
 impl StateStore for MemoryStateStore {
-    async fn current(&self, entity: &str) -> Result<Option<String>, Error> {
+    async fn current(&self, entity: &str) -> Result<Option<String>, StoreError> {
         Ok(self.states.lock().get(entity).cloned())
     }
 
-    async fn compare_and_set(&self, entity: &str, expected: Option<&str>, next: &str) -> Result<bool, Error> {
+    async fn compare_and_set(
+        &self,
+        entity: &str,
+        expected: Option<&str>,
+        next: &str,
+    ) -> Result<bool, StoreError> {
         let mut states = self.states.lock();
         if states.get(entity).map(String::as_str) != expected {
             return Ok(false);

@@ -25,20 +25,20 @@
 //! [`RetryLater`](crate::Outcome::RetryLater) and the redelivery is checked against the
 //! new state.
 
+mod decision;
 mod layer;
 mod machine;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
-mod service;
 mod store;
 
+pub use decision::StateTicket;
 pub use layer::StateGuardLayer;
 pub use machine::{StateMachine, StateMachineBuilder};
 #[cfg(feature = "memory")]
 pub use memory::MemoryStateStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PgStateStore;
-pub use service::StateGuardService;
 pub use store::StateStore;

@@ -1,11 +1,11 @@
 use std::future::Future;
 
-use crate::error::Error;
+use crate::error::StoreError;
 
 /// A backend for the [state-machine guard](crate::state_guard): each entity's current state.
 pub trait StateStore: Clone + Send + Sync + 'static {
     /// The current state of `entity`, `None` when it has none yet.
-    fn current(&self, entity: &str) -> impl Future<Output = Result<Option<String>, Error>> + Send;
+    fn current(&self, entity: &str) -> impl Future<Output = Result<Option<String>, StoreError>> + Send;
 
     /// Sets `entity` to `next` if its state is still `expected` (`None`: no state), as one
     /// atomic step. False, changing nothing, when the state was something else.
@@ -14,5 +14,5 @@ pub trait StateStore: Clone + Send + Sync + 'static {
         entity: &str,
         expected: Option<&str>,
         next: &str,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }

@@ -7,12 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use oncely::{Broker, Delivery, Envelope, HandlerError, Outcome, Source, handler_fn};
+use oncely::{Delivery, Envelope, HandlerError, Outcome, Source, handler_fn};
 use tower::Service;
 
 /// A delivery of `body` from an in-process queue.
 pub fn delivery(body: impl Into<String>) -> Delivery {
-    Delivery::new(Source::new(Broker::InProcess, "test"), body.into())
+    Delivery::new(Source::new("test"), body.into())
 }
 
 /// A JSON order event `{"orderId": id, "sku": sku}`.

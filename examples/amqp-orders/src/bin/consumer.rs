@@ -50,12 +50,9 @@ async fn deduct_stock(envelope: Envelope) -> Result<(), HandlerError> {
     Ok(())
 }
 
-async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Result<(), oncely::Error> {
+async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Result<(), oncely::StoreError> {
     migrate(pool, records).await?;
-    let client = pool
-        .get()
-        .await
-        .map_err(|error| oncely::Error::store(oncely::Tier::Handler, error))?;
+    let client = pool.get().await?;
     client
         .batch_execute(&format!(
             "CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, quantity INTEGER NOT NULL);
@@ -63,8 +60,8 @@ async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Re
              INSERT INTO stock SELECT 'sku_' || n, 1000000 FROM generate_series(0, {}) n ON CONFLICT DO NOTHING;",
             SKUS - 1
         ))
-        .await
-        .map_err(|error| oncely::Error::store(oncely::Tier::Handler, error))
+        .await?;
+    Ok(())
 }
 
 #[tokio::main]

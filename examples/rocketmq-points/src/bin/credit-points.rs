@@ -62,19 +62,16 @@ async fn credit_points(envelope: Envelope) -> Result<(), HandlerError> {
     Ok(())
 }
 
-async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Result<(), oncely::Error> {
+async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Result<(), oncely::StoreError> {
     migrate(pool, records).await?;
-    let client = pool
-        .get()
-        .await
-        .map_err(|error| oncely::Error::store(oncely::Tier::Handler, error))?;
+    let client = pool.get().await?;
     client
         .batch_execute(
             "CREATE TABLE IF NOT EXISTS points (order_id TEXT PRIMARY KEY, user_id TEXT NOT NULL, points INTEGER NOT NULL);
              CREATE TABLE IF NOT EXISTS balances (user_id TEXT PRIMARY KEY, points BIGINT NOT NULL);",
         )
-        .await
-        .map_err(|error| oncely::Error::store(oncely::Tier::Handler, error))
+        .await?;
+    Ok(())
 }
 
 /// Passes every batch on and notes when the last one came, for `--drain`.

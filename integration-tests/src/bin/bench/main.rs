@@ -480,10 +480,7 @@ where
             let (route, bodies, next) = (route.clone(), bodies.clone(), next.clone());
             tokio::spawn(async move {
                 while let Some(body) = bodies.get(next.fetch_add(1, Ordering::Relaxed) as usize) {
-                    let delivery = oncely::Delivery::new(
-                        oncely::Source::new(oncely::Broker::InProcess, "bench"),
-                        body.clone(),
-                    );
+                    let delivery = oncely::Delivery::new(oncely::Source::new("bench"), body.clone());
                     // A copy that meets its order in flight answers "retry later"; the order
                     // itself is settled by the other delivery, so nothing is redelivered here.
                     let _ = route.handle(delivery).await;

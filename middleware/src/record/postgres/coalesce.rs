@@ -5,12 +5,11 @@ use std::sync::Arc;
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use super::sql::{ClaimRequest, Statements, claim_batch, record_error};
-use crate::error::Error;
-use crate::outcome::Tier;
+use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch};
+use crate::error::StoreError;
 use crate::record::store::{Begin, RecordStatus};
 
-type Waiter = (ClaimRequest, oneshot::Sender<Result<Begin, Error>>);
+type Waiter = (ClaimRequest, oneshot::Sender<Result<Begin, StoreError>>);
 
 /// The handle to the batching task; clones share it.
 #[derive(Clone, Debug)]
@@ -32,9 +31,9 @@ impl Coalescer {
         Coalescer { queue }
     }
 
-    pub(super) async fn claim(&self, request: ClaimRequest) -> Result<Begin, Error> {
+    pub(super) async fn claim(&self, request: ClaimRequest) -> Result<Begin, StoreError> {
         let (reply, answer) = oneshot::channel();
-        let stopped = || Error::store(Tier::Record, "the claim coalescer stopped");
+        let stopped = || StoreError::new("the claim coalescer stopped");
         self.queue.send((request, reply)).await.map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())?
     }
@@ -82,7 +81,7 @@ async fn collect(
 async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statements>) {
     let client = match pool.get().await {
         Ok(client) => client,
-        Err(error) => return fail_all(batch, &record_error(error)),
+        Err(error) => return fail_all(batch, &StoreError::from(error)),
     };
     while !batch.is_empty() {
         let mut round = Vec::new();
@@ -114,8 +113,8 @@ async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statement
     }
 }
 
-fn fail_all(waiters: Vec<Waiter>, error: &Error) {
+fn fail_all(waiters: Vec<Waiter>, error: &StoreError) {
     for (_, reply) in waiters {
-        let _ = reply.send(Err(Error::store(Tier::Record, error.to_string())));
+        let _ = reply.send(Err(StoreError::new(error.to_string())));
     }
 }

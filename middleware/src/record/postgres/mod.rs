@@ -16,7 +16,6 @@
 
 mod coalesce;
 mod reconciler;
-mod sql;
 mod transactional;
 
 use std::fmt;
@@ -27,13 +26,13 @@ use deadpool_postgres::Pool;
 
 use self::coalesce::Coalescer;
 pub use self::reconciler::{EffectCheck, ReconcileReport, Reconciler};
-use self::sql::{ClaimRequest, Statements, claim_batch, read_record, record_error};
-pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalService};
+pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
 use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
-use crate::outcome::Tier;
-use crate::postgres::{Checkout, Table};
+use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch, read_record};
+use crate::backend::postgres::{Checkout, Table};
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
 
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
 ///
@@ -90,20 +89,16 @@ impl PgRecordStore {
         attempt: u32,
         status: RecordStatus,
         error: Option<&str>,
-    ) -> Result<bool, Error> {
+    ) -> Result<bool, StoreError> {
         let retry_count = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
-        Checkout::run(&self.pool, Tier::Record, async |client| {
-            let statement = client
-                .prepare_cached(&self.statements.settle)
-                .await
-                .map_err(record_error)?;
+        Checkout::run(&self.pool, async |client| {
+            let statement = client.prepare_cached(&self.statements.settle).await?;
             let changed = client
                 .execute(
                     &statement,
                     &[&key.as_str(), &retry_count, &status.as_str(), &error],
                 )
-                .await
-                .map_err(record_error)?;
+                .await?;
             Ok(changed == 1)
         })
         .await
@@ -126,7 +121,7 @@ impl RecordStore for PgRecordStore {
         fingerprint: Fingerprint,
         lease: Duration,
         fencing_token: Option<u64>,
-    ) -> Result<Begin, Error> {
+    ) -> Result<Begin, StoreError> {
         let request = ClaimRequest {
             key: key.clone(),
             fingerprint,
@@ -136,7 +131,7 @@ impl RecordStore for PgRecordStore {
         if let Some(coalescer) = &self.coalescer {
             return coalescer.claim(request).await;
         }
-        Checkout::run(&self.pool, Tier::Record, async |client| {
+        Checkout::run(&self.pool, async |client| {
             let mut answers =
                 claim_batch(client, &self.statements, &[request], RecordStatus::Processing).await?;
             Ok(answers.remove(0))
@@ -144,34 +139,20 @@ impl RecordStore for PgRecordStore {
         .await
     }
 
-    async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, Error> {
+    async fn succeed(&self, key: &BusinessKey, attempt: u32) -> Result<bool, StoreError> {
         self.settle(key, attempt, RecordStatus::Success, None).await
     }
 
-    async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, Error> {
+    async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, StoreError> {
         self.settle(key, attempt, RecordStatus::Failure, Some(error))
             .await
     }
 
-    async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, Error> {
-        Checkout::run(&self.pool, Tier::Record, async |client| {
-            let row = client
-                .query_opt(&self.statements.get, &[&key.as_str()])
-                .await
-                .map_err(record_error)?;
+    async fn get(&self, key: &BusinessKey) -> Result<Option<ConsumptionRecord>, StoreError> {
+        Checkout::run(&self.pool, async |client| {
+            let row = client.query_opt(&self.statements.get, &[&key.as_str()]).await?;
             row.as_ref().map(read_record).transpose()
         })
         .await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::sql::to_i64;
-
-    #[test]
-    fn tokens_beyond_i64_saturate_in_order() {
-        assert_eq!(to_i64(7), 7);
-        assert_eq!(to_i64(u64::MAX), i64::MAX);
     }
 }

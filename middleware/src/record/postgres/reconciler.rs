@@ -9,10 +9,10 @@ use deadpool_postgres::Pool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::sql::{record_error, to_i64};
+use crate::backend::postgres::Table;
+use crate::backend::postgres::record::{Statements, to_i64};
 use crate::envelope::BusinessKey;
-use crate::error::{BoxError, Error};
-use crate::postgres::Table;
+use crate::error::{BoxError, StoreError};
 
 /// Answers "did the business effect happen for this key?", from the business's own data
 /// (an order row, a provider's API).
@@ -76,6 +76,7 @@ impl fmt::Display for ReconcileReport {
 pub struct Reconciler<C> {
     pool: Pool,
     table: Table,
+    statements: Arc<Statements>,
     check: Arc<C>,
     batch_size: i64,
     retention: Option<Duration>,
@@ -87,6 +88,7 @@ impl<C: EffectCheck> Reconciler<C> {
     pub fn new(pool: Pool, table: Table, check: C) -> Self {
         Reconciler {
             pool,
+            statements: Statements::new(&table),
             table,
             check: Arc::new(check),
             batch_size: 500,
@@ -108,25 +110,10 @@ impl<C: EffectCheck> Reconciler<C> {
     }
 
     /// One pass: settles up to the batch size of stuck rows, then purges.
-    pub async fn run_once(&self) -> Result<ReconcileReport, Error> {
+    pub async fn run_once(&self) -> Result<ReconcileReport, StoreError> {
         let mut report = ReconcileReport::default();
-        let client = self.pool.get().await.map_err(record_error)?;
-        let stuck = client
-            .query(
-                &format!(
-                    "SELECT message_key, retry_count FROM {} WHERE status = 'PROCESSING' AND lease_until < now()
-                     ORDER BY lease_until LIMIT $1",
-                    self.table
-                ),
-                &[&self.batch_size],
-            )
-            .await
-            .map_err(record_error)?;
-        let settle = format!(
-            "UPDATE {} SET status = $3, error_details = $4, lease_until = NULL, updated_at = now()
-             WHERE message_key = $1 AND retry_count = $2 AND status = 'PROCESSING' AND lease_until < now()",
-            self.table
-        );
+        let client = self.pool.get().await?;
+        let stuck = client.query(&self.statements.stuck, &[&self.batch_size]).await?;
         for row in stuck {
             report.examined += 1;
             let key = BusinessKey::new(row.get::<_, &str>(0));
@@ -144,9 +131,11 @@ impl<C: EffectCheck> Reconciler<C> {
                 }
             };
             let changed = client
-                .execute(&settle, &[&key.as_str(), &retry_count, &status, &note])
-                .await
-                .map_err(record_error)?;
+                .execute(
+                    &self.statements.reconcile,
+                    &[&key.as_str(), &retry_count, &status, &note],
+                )
+                .await?;
             match (changed, status) {
                 (0, _) => report.changed_meanwhile += 1,
                 (_, "SUCCESS") => report.marked_success += 1,
@@ -161,17 +150,11 @@ impl<C: EffectCheck> Reconciler<C> {
 
     /// Deletes old `SUCCESS` rows in slices, so one pass never holds a long lock or builds a
     /// huge transaction.
-    async fn purge(&self, client: &deadpool_postgres::Client, age: Duration) -> Result<u64, Error> {
-        let purge = format!(
-            "DELETE FROM {table} WHERE id IN (
-                 SELECT id FROM {table} WHERE status = 'SUCCESS'
-                   AND updated_at < now() - $1::bigint * interval '1 millisecond' LIMIT 5000)",
-            table = self.table
-        );
+    async fn purge(&self, client: &deadpool_postgres::Client, age: Duration) -> Result<u64, StoreError> {
         let age_ms = to_i64(age.as_millis() as u64);
         let mut purged = 0;
         loop {
-            let deleted = client.execute(&purge, &[&age_ms]).await.map_err(record_error)?;
+            let deleted = client.execute(&self.statements.purge, &[&age_ms]).await?;
             purged += deleted;
             if deleted == 0 {
                 return Ok(purged);

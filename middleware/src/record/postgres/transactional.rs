@@ -2,21 +2,21 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
-use tower_service::Service;
 
-use super::sql::{ClaimRequest, Statements, claim_batch, record_error, to_i64};
+use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch, to_i64};
+use crate::backend::postgres::{Checkout, Table};
 use crate::envelope::Envelope;
-use crate::lock::LockLease;
-use crate::outcome::{DeadLetterReason, Outcome, RetryReason, Tier};
-use crate::postgres::{Checkout, Table};
+use crate::error::StoreError;
+use crate::outcome::{Outcome, RetryReason};
 use crate::record::TransactionSafe;
-use crate::record::store::{Begin, RecordStatus};
-use crate::service::{BoxFuture, take_ready};
+use crate::record::decision::fencing_token;
+use crate::record::store::RecordStatus;
+use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
 /// Ends the transaction, but only if it is still open and not aborted: `SAVEPOINT` fails
 /// outside a transaction block and in an aborted one, and the rest of a simple query is
@@ -126,6 +126,7 @@ pub struct PgTransactionalLayer {
     pool: Pool,
     table: Table,
     statements: Arc<Statements>,
+    in_flight_delay: Duration,
 }
 
 impl PgTransactionalLayer {
@@ -135,7 +136,15 @@ impl PgTransactionalLayer {
             statements: Statements::new(&table),
             pool,
             table,
+            in_flight_delay: Duration::from_secs(1),
         }
+    }
+
+    /// The delay suggested to the broker when the key's row is `PROCESSING` under a
+    /// three-step record's lease (a table shared by both modes; default 1 s).
+    pub fn with_in_flight_delay(mut self, delay: Duration) -> Self {
+        self.in_flight_delay = delay;
+        self
     }
 }
 
@@ -148,128 +157,108 @@ impl fmt::Debug for PgTransactionalLayer {
 }
 
 impl<S: TransactionSafe> Layer<S> for PgTransactionalLayer {
-    type Service = crate::telemetry::Measured<PgTransactionalService<crate::telemetry::Passed<S>>>;
+    type Service = TierService<S, Self>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        crate::telemetry::measured(crate::outcome::Tier::Record, inner, |inner| {
-            PgTransactionalService {
-                inner,
-                config: self.clone(),
+        TierService::new(inner, self.clone())
+    }
+}
+
+/// What the transactional record holds for one envelope: the open transaction in which the
+/// key is claimed. Dropped without being settled (the stack's future was dropped, a tier
+/// behind panicked), its connection is closed and the server rolls the transaction back.
+pub struct PgTransactionalTicket {
+    transaction: Arc<Checkout>,
+    request: ClaimRequest,
+}
+
+impl fmt::Debug for PgTransactionalTicket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransactionalTicket")
+            .field("key", &self.request.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TierDecision for PgTransactionalLayer {
+    type Ticket = PgTransactionalTicket;
+    const TIER: Tier = Tier::Record;
+
+    /// Opens the transaction and claims the key in it; the transaction goes to the tiers
+    /// behind as a [`PgTransaction`].
+    async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<PgTransactionalTicket>, StoreError> {
+        let request = ClaimRequest {
+            key: envelope.key().clone(),
+            fingerprint: envelope.fingerprint(),
+            fencing_token: fencing_token(envelope),
+            lease: None,
+        };
+        let transaction = Arc::new(Checkout::get(&self.pool).await?);
+        transaction.client().batch_execute("BEGIN").await?;
+        let claim = claim_batch(
+            transaction.client(),
+            &self.statements,
+            std::slice::from_ref(&request),
+            RecordStatus::Success,
+        )
+        .await;
+        let begin = match claim {
+            Ok(mut answers) => answers.remove(0),
+            Err(error) => {
+                end(transaction, "ROLLBACK").await;
+                return Err(error);
             }
-        })
-    }
-}
-
-/// The service made by [`PgTransactionalLayer`].
-#[derive(Clone, Debug)]
-pub struct PgTransactionalService<S> {
-    inner: S,
-    config: PgTransactionalLayer,
-}
-
-fn unavailable(error: impl fmt::Display) -> Outcome {
-    Outcome::retry_later(
-        RetryReason::StoreUnavailable(Tier::Record),
-        error.to_string(),
-        None,
-    )
-}
-
-impl<S> Service<Envelope> for PgTransactionalService<S>
-where
-    S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Error: fmt::Display + Send + 'static,
-{
-    type Response = Outcome;
-    type Error = S::Error;
-    type Future = BoxFuture<Result<Outcome, S::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
+        };
+        match begin.into_attempt(&request.key, request.fingerprint, self.in_flight_delay) {
+            Ok(_) => {
+                let handle = PgTransaction(transaction.clone());
+                envelope.extensions_mut().insert(handle);
+                Ok(Enter::Proceed(PgTransactionalTicket { transaction, request }))
+            }
+            Err(stop) => {
+                end(transaction, "ROLLBACK").await;
+                Ok(Enter::Stop(stop))
+            }
+        }
     }
 
-    fn call(&mut self, mut envelope: Envelope) -> Self::Future {
-        let mut inner = take_ready(&mut self.inner);
-        let config = self.config.clone();
-        Box::pin(async move {
-            let request = ClaimRequest {
-                key: envelope.key().clone(),
-                fingerprint: envelope.fingerprint(),
-                fencing_token: envelope
-                    .extensions()
-                    .get::<LockLease>()
-                    .map(LockLease::fencing_token),
-                lease: None,
-            };
-            let transaction = match begin(&config, &request).await {
-                Ok(transaction) => transaction,
-                Err(stop) => return Ok(stop),
-            };
-            envelope
-                .extensions_mut()
-                .insert(PgTransaction(transaction.clone()));
-            let answer = inner.call(envelope).await;
-            let failure = match &answer {
-                Ok(outcome) if outcome.is_settled() => match commit(transaction).await {
-                    Ok(()) => return answer,
-                    Err(failed) => return Ok(noted(&config, &request, failed).await),
-                },
-                Ok(outcome) => outcome.to_string(),
-                Err(error) => error.to_string(),
-            };
+    /// Commits when the tiers behind settled the key, and proves it; rolls back otherwise,
+    /// and notes the failure on the key's row.
+    async fn exit(&self, ticket: PgTransactionalTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
+        let PgTransactionalTicket { transaction, request } = ticket;
+        let failure = if outcome.is_settled() {
+            match commit(transaction).await {
+                Ok(()) => return Ok(outcome),
+                Err(failed) => failed,
+            }
+        } else {
             end(transaction, "ROLLBACK").await;
-            note_failure(&config, &request, &failure).await;
-            answer
-        })
+            outcome
+        };
+        self.note_failure(&request, &failure.to_string()).await;
+        Ok(failure)
     }
 }
 
-/// Opens the transaction and claims the key in it. `Err` is the outcome when the tiers
-/// behind must not run: the key is done, taken, fenced, reused with another payload, or the
-/// store failed.
-async fn begin(config: &PgTransactionalLayer, request: &ClaimRequest) -> Result<Arc<Checkout>, Outcome> {
-    let transaction = Checkout::get(&config.pool, Tier::Record)
-        .await
-        .map_err(unavailable)?;
-    if let Err(error) = transaction.client().batch_execute("BEGIN").await {
-        return Err(unavailable(error));
+impl PgTransactionalLayer {
+    /// Records a failed attempt after the rollback, outside the transaction: best effort,
+    /// for operators; the outcome does not depend on it.
+    async fn note_failure(&self, request: &ClaimRequest, error: &str) {
+        let fence = request.fencing_token.map(to_i64);
+        let fingerprint = request.fingerprint.to_string();
+        let noted = Checkout::run(&self.pool, async |client| {
+            client
+                .execute(
+                    &self.statements.note_failure,
+                    &[&request.key.as_str(), &fingerprint, &fence, &error],
+                )
+                .await?;
+            Ok(())
+        });
+        if let Err(failure) = noted.await {
+            tracing::warn!(key = %request.key, %failure, "could not note the failed attempt");
+        }
     }
-    let claim = claim_batch(
-        transaction.client(),
-        &config.statements,
-        std::slice::from_ref(request),
-        RecordStatus::Success,
-    )
-    .await
-    .map(|mut answers| answers.remove(0));
-    let stop = match claim {
-        Ok(Begin::Started { .. }) => return Ok(Arc::new(transaction)),
-        Ok(Begin::Done) => Outcome::Duplicate { tier: Tier::Record },
-        Ok(Begin::Conflict { recorded }) => Outcome::dead_letter(
-            DeadLetterReason::PayloadMismatch,
-            format!(
-                "key {} was recorded with payload {recorded}, this one is {}",
-                request.key, request.fingerprint
-            ),
-        ),
-        Ok(Begin::Fenced) => Outcome::retry_later(
-            RetryReason::LeaseLost,
-            format!(
-                "key {} was written under a newer lock than this delivery's",
-                request.key
-            ),
-            None,
-        ),
-        Ok(Begin::InProgress) => Outcome::retry_later(
-            RetryReason::InFlight(Tier::Record),
-            format!("key {} is PROCESSING", request.key),
-            None,
-        ),
-        Err(error) => unavailable(error),
-    };
-    end(Arc::new(transaction), "ROLLBACK").await;
-    Err(stop)
 }
 
 /// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
@@ -295,7 +284,7 @@ async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
     };
     let Some(code) = error.code() else {
         // Dropping the connection unmarked closes it: the commit's fate is unknown.
-        return Err(unavailable(format!("commit failed: {error}")));
+        return Err(store_unavailable(Tier::Record, &StoreError::new(error)));
     };
     if code == &SqlState::IN_FAILED_SQL_TRANSACTION || code == &SqlState::NO_ACTIVE_SQL_TRANSACTION {
         end(transaction, "ROLLBACK").await;
@@ -333,30 +322,5 @@ async fn end(transaction: Arc<Checkout>, statement: &str) {
         Err(error) => {
             tracing::warn!(%error, statement, "could not end the record transaction; dropping the connection");
         }
-    }
-}
-
-/// Notes `outcome`, a failure found at commit, on the key's row and answers it.
-async fn noted(config: &PgTransactionalLayer, request: &ClaimRequest, outcome: Outcome) -> Outcome {
-    note_failure(config, request, &outcome.to_string()).await;
-    outcome
-}
-
-/// Records a failed attempt after the rollback, outside the transaction: best effort, for
-/// operators; the outcome does not depend on it.
-async fn note_failure(config: &PgTransactionalLayer, request: &ClaimRequest, error: &str) {
-    let fence = request.fencing_token.map(to_i64);
-    let fingerprint = request.fingerprint.to_string();
-    let noted = Checkout::run(&config.pool, Tier::Record, async |client| {
-        client
-            .execute(
-                &config.statements.note_failure,
-                &[&request.key.as_str(), &fingerprint, &fence, &error],
-            )
-            .await
-            .map_err(record_error)
-    });
-    if let Err(failure) = noted.await {
-        tracing::warn!(key = %request.key, %failure, "could not note the failed attempt");
     }
 }

@@ -1,35 +1,53 @@
-//! The record tier's statements, rendered once per table.
+//! Every statement on the consumption record table, rendered once per table: the record
+//! tier's claims (both modes), settling, the reconciler's and the pre-filter rebuild's
+//! reads. Whoever changes the table's meaning changes it here.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::tokio_postgres::Row;
 
-use crate::envelope::{BusinessKey, Fingerprint};
-use crate::error::Error;
-use crate::outcome::Tier;
-use crate::postgres::Table;
-use crate::record::store::{Begin, ConsumptionRecord, RecordStatus};
+use super::Table;
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Begin, ConsumptionRecord, RecordStatus};
 
 /// The SQL text of every statement, with the table name filled in.
 #[derive(Debug)]
-pub(super) struct Statements {
+pub(crate) struct Statements {
     /// Claims a batch of keys: inserts new rows, takes over `FAILURE` rows and `PROCESSING`
     /// rows past their lease when the fingerprint matches and the fencing token is not older.
     /// `$1` keys, `$2` fingerprints, `$3` fencing tokens, `$4` lease in ms (NULL: no lease),
     /// `$5` the status to claim with. Returns the claimed keys with their retry counts.
-    pub(super) claim: String,
+    pub(crate) claim: String,
     /// Reads what stopped a claim: status, fingerprint, lease running, fencing token.
-    pub(super) inspect: String,
-    pub(super) settle: String,
+    inspect: String,
+    /// Settles a three-step attempt: `$1` key, `$2` retry count, `$3` status, `$4` error.
+    pub(crate) settle: String,
     /// Notes a rolled-back transactional attempt: a `FAILURE` row with the error text and one
     /// more retry; never touches a row in another status or with another fingerprint.
-    pub(super) note_failure: String,
-    pub(super) get: String,
+    pub(crate) note_failure: String,
+    /// One key's record.
+    pub(crate) get: String,
+    /// The reconciler's batch of `PROCESSING` rows past their lease, oldest lease first.
+    pub(crate) stuck: String,
+    /// The reconciler's verdict on one stuck row, only if it is still that stuck attempt.
+    pub(crate) reconcile: String,
+    /// Deletes up to 5,000 `SUCCESS` rows older than `$1` ms.
+    pub(crate) purge: String,
+    /// A page of `SUCCESS` keys settled within `$1` seconds, after id `$2`, `$3` rows.
+    pub(crate) recent_successes: String,
 }
 
 impl Statements {
-    pub(super) fn new(table: &Table) -> Arc<Self> {
+    pub(crate) fn new(table: &Table) -> Arc<Self> {
+        // A fingerprint of a route whose check is off matches any other (`Fingerprint::matches`).
+        let same_payload = format!(
+            "(r.payload_fingerprint = EXCLUDED.payload_fingerprint
+              OR '{unchecked}' IN (r.payload_fingerprint, EXCLUDED.payload_fingerprint))",
+            unchecked = Fingerprint::UNCHECKED
+        );
         Arc::new(Statements {
             claim: format!(
                 "INSERT INTO {table} AS r (message_key, status, payload_fingerprint, fencing_token, lease_until)
@@ -39,7 +57,7 @@ impl Statements {
                  SET status = EXCLUDED.status, retry_count = r.retry_count + 1,
                      fencing_token = COALESCE(EXCLUDED.fencing_token, r.fencing_token),
                      lease_until = EXCLUDED.lease_until, updated_at = now()
-                 WHERE r.payload_fingerprint = EXCLUDED.payload_fingerprint
+                 WHERE {same_payload}
                    AND (r.status = 'FAILURE' OR (r.status = 'PROCESSING' AND r.lease_until < now()))
                    AND (r.fencing_token IS NULL OR EXCLUDED.fencing_token IS NULL
                         OR EXCLUDED.fencing_token >= r.fencing_token)
@@ -59,12 +77,30 @@ impl Statements {
                  VALUES ($1, 'FAILURE', $2, $3, $4)
                  ON CONFLICT (message_key) DO UPDATE
                  SET retry_count = r.retry_count + 1, error_details = EXCLUDED.error_details, updated_at = now()
-                 WHERE r.status = 'FAILURE' AND r.payload_fingerprint = EXCLUDED.payload_fingerprint"
+                 WHERE r.status = 'FAILURE' AND {same_payload}"
             ),
             get: format!(
                 "SELECT message_key, status, retry_count, error_details, payload_fingerprint,
                         created_at, updated_at, fencing_token
                  FROM {table} WHERE message_key = $1"
+            ),
+            stuck: format!(
+                "SELECT message_key, retry_count FROM {table} WHERE status = 'PROCESSING' AND lease_until < now()
+                 ORDER BY lease_until LIMIT $1"
+            ),
+            reconcile: format!(
+                "UPDATE {table} SET status = $3, error_details = $4, lease_until = NULL, updated_at = now()
+                 WHERE message_key = $1 AND retry_count = $2 AND status = 'PROCESSING' AND lease_until < now()"
+            ),
+            purge: format!(
+                "DELETE FROM {table} WHERE id IN (
+                     SELECT id FROM {table} WHERE status = 'SUCCESS'
+                       AND updated_at < now() - $1::bigint * interval '1 millisecond' LIMIT 5000)"
+            ),
+            recent_successes: format!(
+                "SELECT id, message_key FROM {table}
+                 WHERE status = 'SUCCESS' AND updated_at > now() - make_interval(secs => $1) AND id > $2
+                 ORDER BY id LIMIT $3"
             ),
         })
     }
@@ -72,21 +108,22 @@ impl Statements {
 
 /// One key to claim.
 #[derive(Clone, Debug)]
-pub(super) struct ClaimRequest {
-    pub(super) key: BusinessKey,
-    pub(super) fingerprint: Fingerprint,
-    pub(super) fencing_token: Option<u64>,
-    pub(super) lease: Option<Duration>,
+pub(crate) struct ClaimRequest {
+    pub(crate) key: BusinessKey,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) fencing_token: Option<u64>,
+    /// `None`: no lease (the transactional mode's rows are never `PROCESSING`).
+    pub(crate) lease: Option<Duration>,
 }
 
 /// Claims `requests` (distinct keys) with one statement, plus one more to inspect the keys
 /// it could not claim. Answers in the order of `requests`.
-pub(super) async fn claim_batch(
+pub(crate) async fn claim_batch(
     client: &impl deadpool_postgres::GenericClient,
     statements: &Statements,
     requests: &[ClaimRequest],
     status: RecordStatus,
-) -> Result<Vec<Begin>, Error> {
+) -> Result<Vec<Begin>, StoreError> {
     let keys: Vec<&str> = requests.iter().map(|request| request.key.as_str()).collect();
     let fingerprints: Vec<String> = requests
         .iter()
@@ -100,17 +137,13 @@ pub(super) async fn claim_batch(
         .iter()
         .map(|request| request.lease.map(|lease| to_i64(lease.as_millis() as u64)))
         .collect();
-    let claim = client
-        .prepare_cached(&statements.claim)
-        .await
-        .map_err(record_error)?;
+    let claim = client.prepare_cached(&statements.claim).await?;
     let claimed = client
         .query(
             &claim,
             &[&keys, &fingerprints, &fences, &leases, &status.as_str()],
         )
-        .await
-        .map_err(record_error)?;
+        .await?;
     let mut answers: Vec<Option<Begin>> = vec![None; requests.len()];
     for row in &claimed {
         let key: &str = row.get(0);
@@ -128,15 +161,8 @@ pub(super) async fn claim_batch(
         .map(|(key, _)| *key)
         .collect();
     if !unclaimed.is_empty() {
-        let inspect = client
-            .prepare_cached(&statements.inspect)
-            .await
-            .map_err(record_error)?;
-        for row in client
-            .query(&inspect, &[&unclaimed])
-            .await
-            .map_err(record_error)?
-        {
+        let inspect = client.prepare_cached(&statements.inspect).await?;
+        for row in client.query(&inspect, &[&unclaimed]).await? {
             let key: &str = row.get(0);
             if let Some(index) = keys.iter().position(|k| *k == key) {
                 answers[index] = Some(classify(&row, &requests[index])?);
@@ -151,12 +177,12 @@ pub(super) async fn claim_batch(
 }
 
 /// Why a claim did not take the row.
-fn classify(row: &Row, request: &ClaimRequest) -> Result<Begin, Error> {
+fn classify(row: &Row, request: &ClaimRequest) -> Result<Begin, StoreError> {
     let status = parse_status(row.get(1))?;
     let recorded = parse_fingerprint(row.get(2))?;
     let leased: bool = row.get(3);
     let recorded_fence: Option<i64> = row.get(4);
-    Ok(if recorded != request.fingerprint {
+    Ok(if !request.fingerprint.matches(recorded) {
         Begin::Conflict { recorded }
     } else if status == RecordStatus::Success {
         Begin::Done
@@ -171,7 +197,7 @@ fn classify(row: &Row, request: &ClaimRequest) -> Result<Begin, Error> {
     })
 }
 
-pub(super) fn read_record(row: &Row) -> Result<ConsumptionRecord, Error> {
+pub(crate) fn read_record(row: &Row) -> Result<ConsumptionRecord, StoreError> {
     let retry_count: i32 = row.get(2);
     let created_at: SystemTime = row.get(5);
     let updated_at: SystemTime = row.get(6);
@@ -188,30 +214,34 @@ pub(super) fn read_record(row: &Row) -> Result<ConsumptionRecord, Error> {
     })
 }
 
-fn parse_status(status: &str) -> Result<RecordStatus, Error> {
+fn parse_status(status: &str) -> Result<RecordStatus, StoreError> {
     match status {
         "PROCESSING" => Ok(RecordStatus::Processing),
         "SUCCESS" => Ok(RecordStatus::Success),
         "FAILURE" => Ok(RecordStatus::Failure),
-        other => Err(Error::store(
-            Tier::Record,
-            format!("unknown record status {other:?}"),
-        )),
+        other => Err(StoreError::malformed(format!("unknown record status {other:?}"))),
     }
 }
 
-fn parse_fingerprint(hex: &str) -> Result<Fingerprint, Error> {
+fn parse_fingerprint(hex: &str) -> Result<Fingerprint, StoreError> {
     u128::from_str_radix(hex, 16)
         .map(Fingerprint::from_u128)
-        .map_err(|_| Error::store(Tier::Record, format!("malformed payload fingerprint {hex:?}")))
+        .map_err(|_| StoreError::malformed(format!("malformed payload fingerprint {hex:?}")))
 }
 
 /// PostgreSQL has no unsigned 64-bit integer; fencing tokens and leases beyond `i64::MAX`
 /// saturate, which keeps their order.
-pub(super) fn to_i64(value: u64) -> i64 {
+pub(crate) fn to_i64(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
-pub(super) fn record_error<E: std::error::Error + Send + Sync + 'static>(error: E) -> Error {
-    Error::store(Tier::Record, error)
+#[cfg(test)]
+mod tests {
+    use super::to_i64;
+
+    #[test]
+    fn tokens_beyond_i64_saturate_in_order() {
+        assert_eq!(to_i64(7), 7);
+        assert_eq!(to_i64(u64::MAX), i64::MAX);
+    }
 }

@@ -6,9 +6,6 @@ use std::time::Duration;
 use redis::Script;
 use redis::aio::ConnectionLike;
 
-use crate::error::Error;
-use crate::outcome::Tier;
-
 /// A Redis connection the Redis backends can use: any cloneable async connection, such as
 /// `redis::aio::ConnectionManager` (reconnects by itself) or a Redis Cluster connection.
 ///
@@ -41,10 +38,6 @@ pub(crate) fn tagged_key(prefix: &str, kind: &str, id: &str) -> String {
 /// A duration in whole milliseconds for `PX`/`PEXPIRE`, at least 1: Redis rejects 0.
 pub(crate) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
-pub(crate) fn store_error(tier: Tier) -> impl Fn(redis::RedisError) -> Error {
-    move |error| Error::store(tier, error)
 }
 
 /// Deletes `KEYS[1]` only if it still holds `ARGV[1]`: a holder can never delete what a

@@ -1,0 +1,222 @@
+//! Fingerprints: telling a true duplicate from a key reused with another payload.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::envelope::Delivery;
+use crate::error::{ConfigError, InputError};
+
+/// A 128-bit hash of a message body (XXH3-128), stored with a key so that the same key
+/// arriving with another payload is told apart from a true duplicate.
+///
+/// Not cryptographic: it catches keys reused by mistake, not an adversary forging bodies.
+/// Stable across processes, versions and platforms, so it can be stored durably.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(u128);
+
+impl Fingerprint {
+    /// The fingerprint of a route whose policy is [`FingerprintPolicy::Off`]: it matches
+    /// every fingerprint, and every fingerprint matches it ([`matches`](Fingerprint::matches)).
+    /// A body whose hash is this value (one chance in 2¹²⁸) is compared with nothing.
+    pub const UNCHECKED: Fingerprint = Fingerprint(0);
+
+    /// True when a key recorded with `recorded` may be taken as a duplicate of a delivery
+    /// carrying `self`: the two are equal, or either is [`UNCHECKED`](Fingerprint::UNCHECKED)
+    /// (recorded while the route's fingerprint was off, or checked while it is off).
+    pub fn matches(self, recorded: Fingerprint) -> bool {
+        self == recorded || self == Fingerprint::UNCHECKED || recorded == Fingerprint::UNCHECKED
+    }
+
+    /// The fingerprint of `body`.
+    pub fn of(body: &[u8]) -> Self {
+        Fingerprint(xxhash_rust::xxh3::xxh3_128(body))
+    }
+
+    /// The raw 128-bit value.
+    pub fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// A fingerprint from its raw value, as read back from a store.
+    pub fn from_u128(value: u128) -> Self {
+        Fingerprint(value)
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({self})")
+    }
+}
+
+/// What of a delivery a route fingerprints ([`Route::with_fingerprint`](crate::Route::with_fingerprint)).
+///
+/// Every tier that remembers a key (flag, record) stores the fingerprint with it; a later
+/// delivery of the key with another fingerprint is dead-lettered as `payload_mismatch`
+/// instead of being acked as a duplicate, because a key reused for another payload is a
+/// bug to look at, never an effect to drop silently.
+///
+/// This is what AWS Lambda Powertools calls *payload validation*
+/// (`payload_validation_jmespath`): there, the whole event is hashed unless a JMESPath
+/// selects the fields that must match, and a mismatch raises
+/// `IdempotencyValidationError`. Here the selection is a list of JSON pointers
+/// ([`Fields`](FingerprintPolicy::Fields)), the default is the whole body, and validation can
+/// be turned [`Off`](FingerprintPolicy::Off); a mismatch is a dead letter with its reason.
+///
+/// Changing the policy of a live route changes the fingerprints of new deliveries: a
+/// duplicate of a key remembered under the old policy then looks like another payload
+/// (turning it off is the exception: `Off` matches whatever was recorded). Change it when
+/// no duplicates of older keys are expected, or pass through `Off` for the retention time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FingerprintPolicy {
+    /// The whole body, byte for byte: any difference is another payload.
+    #[default]
+    WholeBody,
+    /// The values at these JSON pointers (see [`fields`](FingerprintPolicy::fields)): a
+    /// producer that re-sends an order with a new `sentAt` or trace id is still a
+    /// duplicate. A field absent from the body counts as absent, which differs from `null`.
+    /// Values are compared as parsed JSON, so whitespace and object key order inside a
+    /// field do not matter. A body that is not JSON is dead-lettered (`invalid_key`).
+    Fields(Arc<[String]>),
+    /// No payload check: every delivery of a remembered key is a duplicate.
+    Off,
+}
+
+impl FingerprintPolicy {
+    /// Fingerprints the values at `pointers` (RFC 6901, e.g. `/orderId`, `/amount/value`).
+    /// [`ConfigError::InvalidFingerprint`] when there are none, or one is neither empty (the
+    /// whole document) nor starts with `/` — such a pointer would never match anything, and
+    /// every payload would look the same.
+    pub fn fields<I, P>(pointers: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        let pointers: Vec<String> = pointers.into_iter().map(Into::into).collect();
+        if pointers.is_empty() {
+            return Err(ConfigError::InvalidFingerprint {
+                reason: "no field: list at least one JSON pointer, or use FingerprintPolicy::Off".to_owned(),
+            });
+        }
+        if let Some(bad) = pointers.iter().find(|p| !p.is_empty() && !p.starts_with('/')) {
+            return Err(ConfigError::InvalidFingerprint {
+                reason: format!("{bad:?} is not a JSON pointer: it must start with `/`"),
+            });
+        }
+        Ok(FingerprintPolicy::Fields(pointers.into()))
+    }
+
+    /// The fingerprint of `delivery` under this policy.
+    pub(crate) fn fingerprint(&self, delivery: &Delivery) -> Result<Fingerprint, InputError> {
+        match self {
+            FingerprintPolicy::WholeBody => Ok(Fingerprint::of(delivery.body())),
+            FingerprintPolicy::Off => Ok(Fingerprint::UNCHECKED),
+            FingerprintPolicy::Fields(pointers) => {
+                let document = delivery.json()?;
+                let mut selected = Vec::new();
+                for pointer in pointers.iter() {
+                    // Length-prefixed, so that no two selections can write the same bytes.
+                    selected.extend_from_slice(&(pointer.len() as u64).to_le_bytes());
+                    selected.extend_from_slice(pointer.as_bytes());
+                    match document.pointer(pointer) {
+                        None => selected.push(0),
+                        Some(value) => {
+                            selected.push(1);
+                            let mut canonical = Vec::new();
+                            write_canonical(value, &mut canonical);
+                            selected.extend_from_slice(&(canonical.len() as u64).to_le_bytes());
+                            selected.extend_from_slice(&canonical);
+                        }
+                    }
+                }
+                Ok(Fingerprint::of(&selected))
+            }
+        }
+    }
+}
+
+/// Writes `value` as compact JSON with every object's keys sorted. serde_json keeps keys
+/// sorted only while no crate in the build enables its `preserve_order` feature, so the
+/// order is fixed here rather than relied on.
+fn write_canonical(value: &serde_json::Value, out: &mut Vec<u8>) {
+    use serde_json::Value;
+    match value {
+        Value::Array(items) => {
+            out.push(b'[');
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(b']');
+        }
+        Value::Object(fields) => {
+            let mut fields: Vec<_> = fields.iter().collect();
+            fields.sort_unstable_by_key(|(name, _)| *name);
+            out.push(b'{');
+            for (index, (name, field)) in fields.into_iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(Value::from(name.as_str()).to_string().as_bytes());
+                out.push(b':');
+                write_canonical(field, out);
+            }
+            out.push(b'}');
+        }
+        scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::Source;
+
+    fn delivery(body: &'static str) -> Delivery {
+        Delivery::new(Source::new("q"), body)
+    }
+
+    #[test]
+    fn fingerprint_is_stable_and_payload_sensitive() {
+        let a = Fingerprint::of(b"{\"orderId\":1}");
+        assert_eq!(a, Fingerprint::of(b"{\"orderId\":1}"));
+        assert_ne!(a, Fingerprint::of(b"{\"orderId\":2}"));
+        assert_eq!(Fingerprint::from_u128(a.as_u128()), a);
+        assert_eq!(a.to_string().len(), 32);
+    }
+
+    #[test]
+    fn fields_ignore_everything_else_and_unchecked_matches_all() {
+        let policy = FingerprintPolicy::fields(["/orderId", "/amount"]).unwrap();
+        let of = |body| policy.fingerprint(&delivery(body)).unwrap();
+        let first = of(r#"{"orderId":"o-1","amount":{"value":5,"unit":"EUR"},"sentAt":1}"#);
+        assert_eq!(
+            first,
+            of(r#"{ "sentAt":2, "amount":{"unit":"EUR","value":5}, "orderId":"o-1" }"#)
+        );
+        assert_ne!(
+            first,
+            of(r#"{"orderId":"o-1","amount":{"value":6,"unit":"EUR"}}"#)
+        );
+        assert_ne!(
+            of(r#"{"orderId":"o-1"}"#),
+            of(r#"{"orderId":"o-1","amount":null}"#)
+        );
+        assert!(policy.fingerprint(&delivery("not json")).is_err());
+        assert!(FingerprintPolicy::fields(Vec::<String>::new()).is_err());
+        assert!(FingerprintPolicy::fields(["orderId"]).is_err());
+
+        let off = FingerprintPolicy::Off.fingerprint(&delivery("x")).unwrap();
+        assert!(off.matches(first) && first.matches(off));
+        assert!(!first.matches(of(r#"{"orderId":"o-2"}"#)));
+    }
+}

@@ -1,0 +1,137 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tower_service::Service;
+
+use super::Tier;
+use super::decision::{Enter, FailurePolicy, TierDecision};
+use crate::envelope::Envelope;
+use crate::error::{BoxError, StoreError};
+use crate::outcome::{Outcome, RetryReason};
+use crate::telemetry::Probe;
+
+/// The future type of every tier's service: one allocation per envelope, negligible next to
+/// the store round trips a tier makes.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// The service of every tier: runs the decision `D` around the tiers behind (`S`); see the
+/// [module docs](super) for what it does the same way for every tier.
+///
+/// Holds the decision behind an `Arc`: a call clones a pointer, not the tier's
+/// configuration. Its call never fails: failures are outcomes. Only `poll_ready` passes on
+/// the error of the service behind.
+pub struct TierService<S, D> {
+    inner: S,
+    decision: Arc<D>,
+}
+
+impl<S, D> TierService<S, D> {
+    /// Runs `decision` in front of `inner`.
+    pub fn new(inner: S, decision: D) -> Self {
+        TierService {
+            inner,
+            decision: Arc::new(decision),
+        }
+    }
+}
+
+impl<S: Clone, D> Clone for TierService<S, D> {
+    fn clone(&self) -> Self {
+        TierService {
+            inner: self.inner.clone(),
+            decision: self.decision.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, D: fmt::Debug> fmt::Debug for TierService<S, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TierService")
+            .field("decision", &self.decision)
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl<S, D> Service<Envelope> for TierService<S, D>
+where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    D: TierDecision,
+{
+    type Response = Outcome;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Outcome, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, envelope: Envelope) -> Self::Future {
+        // `poll_ready` reserved capacity in `inner` (a concurrency limit, a buffer slot); a
+        // clone may not have it, so the readied one goes with the call, as tower recommends.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let decision = self.decision.clone();
+        Box::pin(async move {
+            let probe = Probe::enter(&envelope, D::TIER);
+            let outcome = decide(&*decision, inner, envelope, &probe).await;
+            probe.answered(&outcome);
+            Ok(outcome)
+        })
+    }
+}
+
+/// One envelope through `decision` and the tiers behind.
+async fn decide<S, D>(decision: &D, inner: S, mut envelope: Envelope, probe: &Probe) -> Outcome
+where
+    S: Service<Envelope, Response = Outcome>,
+    S::Error: Into<BoxError>,
+    D: TierDecision,
+{
+    let ticket = match decision.enter(&mut envelope).await {
+        Ok(Enter::Proceed(ticket)) => ticket,
+        Ok(Enter::Stop(outcome)) => return outcome,
+        Err(error) => {
+            probe.store_failed();
+            return match decision.failure_policy() {
+                FailurePolicy::FailOpen => {
+                    tracing::warn!(tier = %D::TIER, key = %envelope.key(), %error, "store failed; passing to the tiers behind");
+                    probe.passed();
+                    behind(inner, envelope).await
+                }
+                FailurePolicy::FailClosed => store_unavailable(D::TIER, &error),
+            };
+        }
+    };
+    probe.passed();
+    let outcome = behind(inner, envelope).await;
+    match decision.exit(ticket, outcome).await {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            probe.store_failed();
+            store_unavailable(D::TIER, &error)
+        }
+    }
+}
+
+/// The outcome of the tiers behind, with their error made an outcome, as the route would.
+async fn behind<S>(mut inner: S, envelope: Envelope) -> Outcome
+where
+    S: Service<Envelope, Response = Outcome>,
+    S::Error: Into<BoxError>,
+{
+    match inner.call(envelope).await {
+        Ok(outcome) => outcome,
+        Err(error) => Outcome::retry_later(RetryReason::HandlerFailed, error.into().to_string(), None),
+    }
+}
+
+/// The answer when `tier`'s store failed and the tier fails closed.
+pub(crate) fn store_unavailable(tier: Tier, error: &StoreError) -> Outcome {
+    Outcome::retry_later(RetryReason::StoreUnavailable(tier), error.to_string(), None)
+}
