@@ -1,16 +1,5 @@
-//! oncely's integration tests: the store suites that every backend of a tier's trait must
-//! pass, and (in `tests/`) the runs against real services.
-//!
-//! Each suite is a set of async functions generic over the store, plus a macro that turns
-//! them into one `#[tokio::test]` per case for a backend:
-//!
-//! ```text
-//! async fn store() -> MemoryFlagStore { MemoryFlagStore::new() }
-//! integration_tests::flag_store_suite!(store);
-//! ```
-//!
-//! Cases use keys with a random suffix, so they run in parallel against one shared server
-//! and can be rerun without cleaning up.
+//! oncely's integration tests' helpers; the runs against real services are in `tests/`,
+//! and the store suites every backend runs are `oncely::testing`.
 
 pub mod amqp;
 pub mod chaos_stack;
@@ -19,7 +8,6 @@ pub mod postgres;
 pub mod recorder;
 pub mod redis_server;
 pub mod rocketmq;
-pub mod suite;
 
 use std::time::{Duration, Instant};
 
@@ -46,10 +34,7 @@ pub async fn redis_connection(url: &str) -> ConnectionManager {
         })
 }
 
-/// A key unique to this test run: `name` plus a random suffix.
-pub fn unique(name: &str) -> String {
-    format!("{name}-{}", oncely::Token::random())
-}
+pub use oncely::testing::unique;
 
 /// Waits until `done` holds, checking every 100 ms; panics after `limit`.
 pub async fn wait_until<F, Fut>(limit: Duration, mut done: F)

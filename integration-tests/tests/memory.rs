@@ -29,10 +29,10 @@ async fn state_store() -> MemoryStateStore {
     MemoryStateStore::new()
 }
 
-integration_tests::flag_store_suite!(flag_store);
-integration_tests::lock_store_suite!(lock_store);
-integration_tests::record_store_suite!(record_store);
-integration_tests::state_store_suite!(state_store);
+oncely::flag_store_suite!(flag_store);
+oncely::lock_store_suite!(lock_store);
+oncely::record_store_suite!(record_store);
+oncely::state_store_suite!(state_store);
 
 #[test]
 fn each_tier_counts_what_reached_it_what_it_caught_and_what_it_passed_on() {

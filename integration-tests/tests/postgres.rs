@@ -23,14 +23,14 @@ use tower::ServiceBuilder;
 async fn the_record_store_passes_the_record_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    integration_tests::record_store_suite!(run: PgRecordStore::new(pool.clone(), schema.records()));
+    oncely::record_store_suite!(run: PgRecordStore::new(pool.clone(), schema.records()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coalescing_record_store_passes_the_record_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    integration_tests::record_store_suite!(
+    oncely::record_store_suite!(
         run: PgRecordStore::new(pool.clone(), schema.records()).with_coalescing(64, 4)
     );
 }
@@ -39,7 +39,7 @@ async fn the_coalescing_record_store_passes_the_record_suite() {
 async fn the_state_store_passes_the_state_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    integration_tests::state_store_suite!(run: PgStateStore::new(pool.clone(), schema.table("entity_state")));
+    oncely::state_store_suite!(run: PgStateStore::new(pool.clone(), schema.table("entity_state")));
 }
 
 fn order(id: &str) -> Delivery {
@@ -181,6 +181,46 @@ async fn the_same_key_with_another_payload_is_dead_lettered_by_the_record() {
         Some(oncely::DeadLetterReason::PayloadMismatch)
     );
     assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+}
+
+#[tokio::test]
+async fn the_transactional_record_applies_the_routes_fingerprint_policy() {
+    let (schema, _pool, route) = transactional_route(|_| false).await;
+    let sent = |id: &str, sku: &str, at: u32| {
+        Delivery::new(
+            Source::new("orders"),
+            format!(r#"{{"orderId":"{id}","sku":"{sku}","sentAt":{at}}}"#),
+        )
+    };
+    let fields = route.with_fingerprint(oncely::FingerprintPolicy::fields(["/sku"]).unwrap());
+    assert_eq!(fields.handle(sent("o-1", "sku-1", 1)).await, Outcome::Processed);
+    assert_eq!(
+        fields.handle(sent("o-1", "sku-1", 2)).await,
+        Outcome::Duplicate {
+            tier: oncely::Tier::Record
+        },
+        "fields: sentAt is not compared"
+    );
+    assert_eq!(
+        fields.handle(sent("o-1", "sku-2", 3)).await.dead_letter_reason(),
+        Some(oncely::DeadLetterReason::PayloadMismatch)
+    );
+    let off = fields.with_fingerprint(oncely::FingerprintPolicy::Off);
+    assert_eq!(
+        off.handle(sent("o-1", "sku-2", 4)).await,
+        Outcome::Duplicate {
+            tier: oncely::Tier::Record
+        },
+        "off: any payload of a recorded key is a duplicate"
+    );
+    assert_eq!(off.handle(sent("o-2", "sku-9", 5)).await, Outcome::Processed);
+    assert_eq!(
+        off.handle(sent("o-2", "sku-1", 6)).await,
+        Outcome::Duplicate {
+            tier: oncely::Tier::Record
+        }
+    );
+    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 2);
 }
 
 #[tokio::test]

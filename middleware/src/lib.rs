@@ -90,6 +90,8 @@ pub mod record;
 mod route;
 pub mod state_guard;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tier;
 mod token;
 

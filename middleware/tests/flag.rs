@@ -178,3 +178,18 @@ async fn a_failing_store_fails_open_by_default_and_closed_when_configured() {
     );
     assert_eq!(effects.of("o-2"), 0);
 }
+
+#[tokio::test]
+async fn the_flag_applies_the_routes_fingerprint_policy() {
+    let effects = Effects::default();
+    let flag = |policy| {
+        route(
+            FlagLayer::new(MemoryFlagStore::new(), WINDOW),
+            &effects,
+            Duration::ZERO,
+            0,
+        )
+        .with_fingerprint(policy)
+    };
+    common::fingerprint_policies_are_applied(flag, &effects, Tier::Flag).await;
+}

@@ -110,3 +110,10 @@ async fn a_processing_record_past_its_lease_is_taken_over_once() {
     assert!(!store.succeed(&key, 1).await.unwrap());
     assert!(store.succeed(&key, 2).await.unwrap());
 }
+
+#[tokio::test]
+async fn the_record_applies_the_routes_fingerprint_policy() {
+    let (store, effects) = (MemoryRecordStore::new(), Effects::default());
+    let record = |policy| route(&store, &effects, Duration::ZERO, 0).with_fingerprint(policy);
+    common::fingerprint_policies_are_applied(record, &effects, Tier::Record).await;
+}

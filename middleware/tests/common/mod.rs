@@ -102,3 +102,56 @@ where
 pub fn count(outcomes: &[Outcome], expected: impl Fn(&Outcome) -> bool) -> usize {
     outcomes.iter().filter(|outcome| expected(outcome)).count()
 }
+
+/// What a tier that remembers keys must do with each fingerprint policy: `route` gives a
+/// route with `policy` (each policy's keys are its own, so one store may serve all), caught as duplicates by `tier`, on whose
+/// handler `effects` counts. Bodies are `{"orderId", "sku", "sentAt"}`.
+pub async fn fingerprint_policies_are_applied<S>(
+    route: impl Fn(oncely::FingerprintPolicy) -> oncely::Route<S>,
+    effects: &Effects,
+    tier: oncely::Tier,
+) where
+    S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    use oncely::{DeadLetterReason, FingerprintPolicy};
+    let sent = |id: &str, sku: &str, at: u32| {
+        delivery(format!(r#"{{"orderId":"{id}","sku":"{sku}","sentAt":{at}}}"#))
+    };
+    let duplicate = Outcome::Duplicate { tier };
+
+    let whole = route(FingerprintPolicy::WholeBody);
+    assert_eq!(whole.handle(sent("o-1", "A", 1)).await, Outcome::Processed);
+    assert_eq!(whole.handle(sent("o-1", "A", 1)).await, duplicate);
+    assert_eq!(
+        whole.handle(sent("o-1", "A", 2)).await.dead_letter_reason(),
+        Some(DeadLetterReason::PayloadMismatch),
+        "whole body: a new sentAt is another payload"
+    );
+
+    let fields = route(FingerprintPolicy::fields(["/orderId", "/sku"]).unwrap());
+    assert_eq!(fields.handle(sent("o-2", "A", 1)).await, Outcome::Processed);
+    assert_eq!(
+        fields.handle(sent("o-2", "A", 2)).await,
+        duplicate,
+        "fields: sentAt is not compared"
+    );
+    assert_eq!(
+        fields.handle(sent("o-2", "B", 3)).await.dead_letter_reason(),
+        Some(DeadLetterReason::PayloadMismatch),
+        "fields: another sku is another payload"
+    );
+
+    let off = route(FingerprintPolicy::Off);
+    assert_eq!(off.handle(sent("o-4", "A", 1)).await, Outcome::Processed);
+    assert_eq!(
+        off.handle(sent("o-4", "B", 2)).await,
+        duplicate,
+        "off: any payload of a done key"
+    );
+    assert_eq!(
+        (effects.of("o-1"), effects.of("o-2"), effects.of("o-4")),
+        (1, 1, 1)
+    );
+}

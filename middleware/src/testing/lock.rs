@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use oncely::Token;
-use oncely::lock::LockStore;
+use crate::Token;
+use crate::lock::LockStore;
 
-use crate::unique;
+use super::unique;
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -95,7 +95,7 @@ pub async fn renewal_extends_the_lease_and_expiry_frees_it<S: LockStore>(store: 
 #[macro_export]
 macro_rules! lock_store_suite {
     ($($how:tt)*) => {
-        $crate::store_suite!(
+        $crate::__store_suite!(
             lock,
             ($($how)*),
             [

@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use oncely::record::{Begin, RecordStatus, RecordStore};
-use oncely::{BusinessKey, Fingerprint};
+use crate::record::{Begin, RecordStatus, RecordStore};
+use crate::{BusinessKey, Fingerprint};
 
-use crate::unique;
+use super::unique;
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -102,6 +102,47 @@ pub async fn another_payload_is_a_conflict<S: RecordStore>(store: S) {
     );
 }
 
+/// An unchecked fingerprint (a route whose fingerprint policy is off) is never a conflict:
+/// not against a record written with a real fingerprint, nor the other way round.
+pub async fn an_unchecked_fingerprint_is_never_a_conflict<S: RecordStore>(store: S) {
+    let (checked, unchecked) = (key("record-checked"), key("record-unchecked"));
+    let payload = Fingerprint::of(b"a");
+    assert_eq!(
+        store.begin(&checked, payload, LEASE, None).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert!(store.fail(&checked, 1, "failed").await.unwrap());
+    assert_eq!(
+        store
+            .begin(&checked, Fingerprint::UNCHECKED, LEASE, None)
+            .await
+            .unwrap(),
+        Begin::Started { attempt: 2 },
+        "a failed record is taken over whatever its fingerprint"
+    );
+    assert!(store.succeed(&checked, 2).await.unwrap());
+    assert_eq!(
+        store
+            .begin(&checked, Fingerprint::UNCHECKED, LEASE, None)
+            .await
+            .unwrap(),
+        Begin::Done
+    );
+
+    assert_eq!(
+        store
+            .begin(&unchecked, Fingerprint::UNCHECKED, LEASE, None)
+            .await
+            .unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert!(store.succeed(&unchecked, 1).await.unwrap());
+    assert_eq!(
+        store.begin(&unchecked, payload, LEASE, None).await.unwrap(),
+        Begin::Done
+    );
+}
+
 /// A PROCESSING record blocks others within its lease and is taken over after it.
 pub async fn a_processing_record_is_taken_over_after_its_lease<S: RecordStore>(store: S) {
     let (key, fingerprint) = (key("record-lease"), Fingerprint::of(b"x"));
@@ -151,7 +192,7 @@ pub async fn a_stale_fencing_token_cannot_take_over<S: RecordStore>(store: S) {
 #[macro_export]
 macro_rules! record_store_suite {
     ($($how:tt)*) => {
-        $crate::store_suite!(
+        $crate::__store_suite!(
             record,
             ($($how)*),
             [
@@ -159,6 +200,7 @@ macro_rules! record_store_suite {
                 a_succeeded_record_is_done,
                 a_failed_record_is_taken_over,
                 another_payload_is_a_conflict,
+                an_unchecked_fingerprint_is_never_a_conflict,
                 a_processing_record_is_taken_over_after_its_lease,
                 a_stale_fencing_token_cannot_take_over,
             ]

@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use oncely::flag::{Claim, FlagStore};
-use oncely::{BusinessKey, Fingerprint, Token};
+use crate::flag::{Claim, FlagStore};
+use crate::{BusinessKey, Fingerprint, Token};
 
-use crate::unique;
+use super::unique;
 
 const LEASE: Duration = Duration::from_secs(30);
 const RETENTION: Duration = Duration::from_secs(60);
@@ -146,7 +146,7 @@ pub async fn a_done_marker_expires_with_its_retention<S: FlagStore>(store: S) {
 #[macro_export]
 macro_rules! flag_store_suite {
     ($($how:tt)*) => {
-        $crate::store_suite!(
+        $crate::__store_suite!(
             flag,
             ($($how)*),
             [

@@ -1,8 +1,8 @@
 //! What every [`StateStore`] must do.
 
-use oncely::state_guard::StateStore;
+use crate::state_guard::StateStore;
 
-use crate::unique;
+use super::unique;
 
 /// An entity starts with no state and moves only by compare-and-set from what it holds.
 pub async fn compare_and_set_moves_only_from_the_expected_state<S: StateStore>(store: S) {
@@ -57,7 +57,7 @@ pub async fn one_of_many_concurrent_transitions_applies<S: StateStore>(store: S)
 #[macro_export]
 macro_rules! state_store_suite {
     ($($how:tt)*) => {
-        $crate::store_suite!(
+        $crate::__store_suite!(
             state,
             ($($how)*),
             [
