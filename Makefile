@@ -5,7 +5,7 @@ TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
 SHELL := bash
 .SHELLFLAGS := -eo pipefail -c
 
-.PHONY: demo test fmt lint services bench chaos
+.PHONY: demo test fmt lint doc services bench chaos
 
 ## The zero-setup quickstart: the whole stack on in-memory stores, no servers.
 demo:
@@ -22,10 +22,10 @@ CHAOS_SHORT = --messages 4000 --keys 800 --rate 400 --fault-every-ms 800 --handl
 CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --fault-every-ms 1000 \
 	--handler-faults 2 --poison 2 --time-limit-s 300
 
-## Format check, clippy with warnings denied, every test, the quickstart's own checks and the
+## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks and the
 ## short chaos runs (RabbitMQ, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
-test: fmt lint services
+test: fmt lint doc services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
@@ -39,6 +39,12 @@ fmt:
 
 lint:
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
+
+## The docs as docs.rs builds them (every feature) and as a default build shows them: any
+## rustdoc warning, such as a link to an item behind a feature, fails.
+doc:
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --all-features
 
 ## Detects, starts or installs the services the integration tests need (Redis, PostgreSQL,
 ## RabbitMQ, RocketMQ's Rust name server and broker).

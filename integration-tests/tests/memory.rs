@@ -29,10 +29,10 @@ async fn state_store() -> MemoryStateStore {
     MemoryStateStore::new()
 }
 
-oncely::flag_store_suite!(flag_store);
-oncely::lock_store_suite!(lock_store);
-oncely::record_store_suite!(record_store);
-oncely::state_store_suite!(state_store);
+oncely::store_suite!(flag, flag_store);
+oncely::store_suite!(lock, lock_store);
+oncely::store_suite!(record, record_store);
+oncely::store_suite!(state, state_store);
 
 #[test]
 fn each_tier_counts_what_reached_it_what_it_caught_and_what_it_passed_on() {

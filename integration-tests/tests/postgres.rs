@@ -23,14 +23,14 @@ use tower::ServiceBuilder;
 async fn the_record_store_passes_the_record_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    oncely::record_store_suite!(run: PgRecordStore::new(pool.clone(), schema.records()));
+    oncely::store_suite!(record, run: PgRecordStore::new(pool.clone(), schema.records()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coalescing_record_store_passes_the_record_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    oncely::record_store_suite!(
+    oncely::store_suite!(record,
         run: PgRecordStore::new(pool.clone(), schema.records()).with_coalescing(64, 4)
     );
 }
@@ -39,7 +39,7 @@ async fn the_coalescing_record_store_passes_the_record_suite() {
 async fn the_state_store_passes_the_state_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
-    oncely::state_store_suite!(run: PgStateStore::new(pool.clone(), schema.table("entity_state")));
+    oncely::store_suite!(state, run: PgStateStore::new(pool.clone(), schema.table("entity_state")));
 }
 
 fn order(id: &str) -> Delivery {

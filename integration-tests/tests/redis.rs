@@ -26,8 +26,8 @@ async fn lock_store() -> RedisLockStore<ConnectionManager> {
     RedisLockStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"))
 }
 
-oncely::flag_store_suite!(flag_store);
-oncely::lock_store_suite!(lock_store);
+oncely::store_suite!(flag, flag_store);
+oncely::store_suite!(lock, lock_store);
 
 fn order(id: &str, sku: &str) -> Delivery {
     let body = format!(r#"{{"orderId":"{id}","sku":"{sku}"}}"#);

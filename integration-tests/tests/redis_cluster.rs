@@ -13,6 +13,6 @@ async fn the_redis_backends_pass_their_suites_on_a_cluster_connection() {
     let cluster = ScratchRedisCluster::start();
     let client = ClusterClient::new(cluster.urls()).expect("a cluster client");
     let connection = client.get_async_connection().await.expect("a cluster connection");
-    oncely::flag_store_suite!(run: RedisFlagStore::new(connection.clone()).with_prefix(unique("t")));
-    oncely::lock_store_suite!(run: RedisLockStore::new(connection.clone()).with_prefix(unique("t")));
+    oncely::store_suite!(flag, run: RedisFlagStore::new(connection.clone()).with_prefix(unique("t")));
+    oncely::store_suite!(lock, run: RedisLockStore::new(connection.clone()).with_prefix(unique("t")));
 }

@@ -10,9 +10,10 @@
 //! broker:
 //!
 //! ```text
-//! delivery ─▶ Route (business key) ─▶ flag ─▶ lock ─▶ state guard ─▶ record ─▶ handler
-//!                  │                                                              │
-//!                  └──────────────────────── Outcome ◀────────────────────────────┘
+//! broker message ─▶ adapter ─▶ Route ─▶ state guard ─▶ pre-filter ─▶ flag ─▶ lock ─▶ record ─▶ handler
+//!  (AMQP, RocketMQ)  Delivery   key, fingerprint,                                          │
+//!        ▲                      body limit, panics                                         │
+//!        └── ack / retry / dead letter ◀── adapter ◀── Outcome ◀───────────────────────────┘
 //! ```
 //!
 //! | outcome | broker action |
@@ -26,25 +27,37 @@
 //! The tiers, composable in any subset per route, in the order of the picture above (the
 //! README explains why); behind the transactional record only services that write nothing
 //! outside its transaction may stand ([`record::TransactionSafe`]), so a flag or state
-//! guard there does not compile:
+//! guard there does not compile. Each is a store plus a decision run by one
+//! [`tier::TierService`]; each tier's docs say what it guarantees alone and what it relies
+//! on from the tiers behind it.
+//!
+//! # Layout
+//! - [`Route`]: one kind of message — reads its business key ([`KeyExtractor`]) and
+//!   fingerprint ([`FingerprintPolicy`]), runs the stack, catches panics, limits attempts.
+//! - [`Delivery`], [`Envelope`]: a message as an adapter hands it over, and as the tiers see it.
+//! - [`Outcome`], [`DeadLetter`], [`BrokerAction`]: the stack's answer and the broker's action.
 //! - [`state_guard`]: applies an entity's events only along declared transitions.
+//! - `prefilter` (feature `prefilter`): a local Bloom filter or bitmap of settled keys that
+//!   lets a certainly new key skip the flag's claim.
 //! - [`flag`]: a fast expiring "in flight / done" marker per key.
 //! - [`lock`]: mutual exclusion per entity, with a watchdog and a fencing token.
 //! - [`record`]: the durable consumption record, the final word on "was this processed".
-//! - `prefilter` (feature `prefilter`): a local Bloom filter or bitmap of settled keys that
-//!   lets a certainly new key skip the flag's claim.
+//! - [`deliveries`]: counts unsettled deliveries per key, for brokers that do not.
+//! - [`tier`]: what every tier shares; write your own tier here.
+//! - [`telemetry`]: the metrics every tier records (feature `metrics`, default).
+//! - `postgres` (feature `postgres`): the tables oncely creates and a helper for idempotent
+//!   state changes.
+//! - `testing` (feature `testing`): the store suites a backend of your own must pass.
+//! - [`InputError`], [`ConfigError`], [`StoreError`]: errors, by who must act.
 //!
-//! Every tier counts, per route, what reached it, what it caught and what it passed on
-//! ([`telemetry`]).
-//!
-//! Each tier's docs say what it guarantees alone and what it relies on from the tiers
-//! behind it. Backends, each behind a cargo feature (`full` turns all on):
+//! Backends, each behind a cargo feature (`full` turns all on):
 //! - `memory` (default): in-memory stores for every tier, for tests and the quickstart.
-//! - `redis`: [`flag::RedisFlagStore`] and [`lock::RedisLockStore`] on Redis 7.0 or later.
+//! - `redis`: `flag::RedisFlagStore`, `lock::RedisLockStore` and
+//!   `deliveries::RedisDeliveryCounter` on Redis 7.0 or later.
 //! - `postgres`: the record tier on PostgreSQL in transactional mode
-//!   ([`record::PgTransactionalLayer`]) or three-step mode ([`record::PgRecordStore`], with
-//!   claim coalescing and a [`record::Reconciler`]), the state guard's
-//!   [`state_guard::PgStateStore`], and [`postgres`] helpers for idempotent state changes.
+//!   (`record::PgTransactionalLayer`) or three-step mode (`record::PgRecordStore`, with
+//!   claim coalescing and a `record::Reconciler`), and the state guard's
+//!   `state_guard::PgStateStore`.
 //! - `prefilter`: the pre-filter tier's Bloom filter (`fastbloom`) and roaring bitmap.
 //!
 //! ```

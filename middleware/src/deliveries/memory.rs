@@ -9,7 +9,7 @@ use crate::error::StoreError;
 use crate::tier::BoxFuture;
 
 /// An in-memory [`DeliveryCounter`] for tests. It dies with the process, so it cannot see
-/// the crash it exists for: use [`RedisDeliveryCounter`](crate::deliveries::RedisDeliveryCounter)
+/// the crash it exists for: use `RedisDeliveryCounter` (feature `redis`)
 /// (feature `redis`) between processes. Clones share one map.
 #[derive(Clone, Debug, Default)]
 pub struct MemoryDeliveryCounter {

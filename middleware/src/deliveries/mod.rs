@@ -19,7 +19,7 @@
 //!   such as the dead consumer's flag claim or lock, until its lease runs out): a wait ran
 //!   nothing, so it takes back only its own start and leaves the crashes counted;
 //! - a key with `max` unsettled starts is dead-lettered
-//!   ([`DeadLetterReason::DeliveryLimit`](crate::DeadLetterReason::DeliveryLimit)) without
+//!   ([`DeadLetterReason::DeliveryLimit`]) without
 //!   running again.
 //!
 //! Counting fails open: when the store cannot answer, the delivery runs uncounted, since the

@@ -60,7 +60,7 @@ impl<St> FlagLayer<St> {
         self
     }
 
-    /// Lets an envelope that a [pre-filter](crate::prefilter) found certainly new skip the
+    /// Lets an envelope that a pre-filter (feature `prefilter`) found certainly new skip the
     /// claim: the tiers behind run at once, and once they settled the key it is marked done
     /// (one round trip instead of two).
     ///

@@ -43,7 +43,7 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
 
     /// Marks `key` "done with `fingerprint`" for `retention` without a claim, replacing any
     /// marker: for a delivery the durable tier behind has already settled without the flag
-    /// claiming it (a [pre-filter](crate::prefilter) found the key certainly new).
+    /// claiming it (a pre-filter (feature `prefilter`) found the key certainly new).
     fn mark_done(
         &self,
         key: &BusinessKey,

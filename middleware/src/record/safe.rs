@@ -14,7 +14,7 @@ use tower_service::Service;
 /// answered as a duplicate (or stale) and the effect is lost. A lock inside it would be
 /// released before the `COMMIT`, so the entity's next holder could read what was there
 /// before it, and its fencing token would not reach the record's claim. So
-/// [`PgTransactionalLayer`](crate::record::PgTransactionalLayer) only wraps services that
+/// `PgTransactionalLayer` (feature `postgres`) only wraps services that
 /// implement this trait, and such an order does not compile.
 ///
 /// Implemented for the handler ([`HandlerFn`](crate::HandlerFn)), the pre-filter tier and

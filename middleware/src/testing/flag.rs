@@ -136,28 +136,3 @@ pub async fn a_done_marker_expires_with_its_retention<S: FlagStore>(store: S) {
         Claim::Won
     );
 }
-
-/// Runs the flag store cases against a backend.
-///
-/// `flag_store_suite!(make)` generates one `#[tokio::test]` per case, in a module `flag`,
-/// each with the store the async function `make` returns. Inside an async test,
-/// `flag_store_suite!(run: STORE)` runs every case in turn, each with a fresh `STORE`
-/// expression: for a backend whose server the test itself starts and stops.
-#[macro_export]
-macro_rules! flag_store_suite {
-    ($($how:tt)*) => {
-        $crate::__store_suite!(
-            flag,
-            ($($how)*),
-            [
-                one_of_many_concurrent_claims_wins,
-                a_completed_claim_is_done_with_its_fingerprint,
-                a_key_marked_done_without_a_claim_is_done,
-                a_released_claim_can_be_claimed_again,
-                complete_and_release_refuse_a_wrong_token,
-                an_expired_lease_lets_a_new_claim_in,
-                a_done_marker_expires_with_its_retention,
-            ]
-        );
-    };
-}

@@ -85,25 +85,3 @@ pub async fn renewal_extends_the_lease_and_expiry_frees_it<S: LockStore>(store: 
             .is_some()
     );
 }
-
-/// Runs the lock store cases against a backend.
-///
-/// `lock_store_suite!(make)` generates one `#[tokio::test]` per case, in a module `lock`,
-/// each with the store the async function `make` returns. Inside an async test,
-/// `lock_store_suite!(run: STORE)` runs every case in turn, each with a fresh `STORE`
-/// expression: for a backend whose server the test itself starts and stops.
-#[macro_export]
-macro_rules! lock_store_suite {
-    ($($how:tt)*) => {
-        $crate::__store_suite!(
-            lock,
-            ($($how)*),
-            [
-                one_of_many_concurrent_acquisitions_wins,
-                fencing_tokens_grow,
-                renew_and_release_refuse_a_wrong_token,
-                renewal_extends_the_lease_and_expiry_frees_it,
-            ]
-        );
-    };
-}

@@ -10,15 +10,13 @@
 //! async fn store() -> MyFlagStore {
 //!     MyFlagStore::connect("redis://127.0.0.1:6379").await
 //! }
-//! oncely::flag_store_suite!(store);
+//! oncely::store_suite!(flag, store);
 //! ```
 //!
-//! `flag_store_suite!(run: STORE)` instead runs every case in turn inside one async test,
+//! `store_suite!(flag, run: STORE)` instead runs every case in turn inside one async test,
 //! each with a fresh `STORE` expression: for a backend whose server the test itself starts
-//! and stops. The macros are [`flag_store_suite!`](crate::flag_store_suite),
-//! [`lock_store_suite!`](crate::lock_store_suite),
-//! [`record_store_suite!`](crate::record_store_suite) and
-//! [`state_store_suite!`](crate::state_store_suite).
+//! and stops. The suites are `flag`, `lock`, `record` and `state`, one module each here;
+//! see [`store_suite!`](crate::store_suite).
 //!
 //! Cases use keys with a random suffix, so they run in parallel against one shared server
 //! and can be rerun without cleaning up. Some wait for leases of a second or two to run
@@ -35,8 +33,55 @@ pub fn unique(name: &str) -> String {
     format!("{name}-{}", crate::Token::random())
 }
 
-/// Turns the cases of `suite` into tests, or runs them in turn; see the
+/// Runs one store suite against a backend: `flag`, `lock`, `record` or `state`, for the
+/// store traits of the flag, lock, record and state guard tiers.
+///
+/// `store_suite!(flag, make)` generates one `#[tokio::test]` per case, in a module `flag`,
+/// each with the store the async function `make` returns. Inside an async test,
+/// `store_suite!(flag, run: STORE)` runs every case in turn, each with a fresh `STORE`
+/// expression: for a backend whose server the test itself starts and stops. See the
 /// [module docs](crate::testing).
+#[macro_export]
+macro_rules! store_suite {
+    (flag, $($how:tt)*) => {
+        $crate::__store_suite!(flag, ($($how)*), [
+            one_of_many_concurrent_claims_wins,
+            a_completed_claim_is_done_with_its_fingerprint,
+            a_key_marked_done_without_a_claim_is_done,
+            a_released_claim_can_be_claimed_again,
+            complete_and_release_refuse_a_wrong_token,
+            an_expired_lease_lets_a_new_claim_in,
+            a_done_marker_expires_with_its_retention,
+        ]);
+    };
+    (lock, $($how:tt)*) => {
+        $crate::__store_suite!(lock, ($($how)*), [
+            one_of_many_concurrent_acquisitions_wins,
+            fencing_tokens_grow,
+            renew_and_release_refuse_a_wrong_token,
+            renewal_extends_the_lease_and_expiry_frees_it,
+        ]);
+    };
+    (record, $($how:tt)*) => {
+        $crate::__store_suite!(record, ($($how)*), [
+            one_of_many_concurrent_begins_starts,
+            a_succeeded_record_is_done,
+            a_failed_record_is_taken_over,
+            another_payload_is_a_conflict,
+            an_unchecked_fingerprint_is_never_a_conflict,
+            a_processing_record_is_taken_over_after_its_lease,
+            a_stale_fencing_token_cannot_take_over,
+        ]);
+    };
+    (state, $($how:tt)*) => {
+        $crate::__store_suite!(state, ($($how)*), [
+            compare_and_set_moves_only_from_the_expected_state,
+            one_of_many_concurrent_transitions_applies,
+        ]);
+    };
+}
+
+/// Turns the cases of one suite into tests, or runs them in turn; see [`store_suite!`].
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __store_suite {
@@ -46,10 +91,10 @@ macro_rules! __store_suite {
     ($suite:ident, ($make:ident), [$($case:ident),* $(,)?]) => {
         mod $suite {
             $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    $crate::testing::$suite::$case(super::$make().await).await
-                }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                $crate::testing::$suite::$case(super::$make().await).await
+            }
             )*
         }
     };

@@ -182,28 +182,3 @@ pub async fn a_stale_fencing_token_cannot_take_over<S: RecordStore>(store: S) {
     let record = store.get(&key).await.unwrap().expect("the record exists");
     assert_eq!(record.fencing_token, Some(6));
 }
-
-/// Runs the record store cases against a backend.
-///
-/// `record_store_suite!(make)` generates one `#[tokio::test]` per case, in a module `record`,
-/// each with the store the async function `make` returns. Inside an async test,
-/// `record_store_suite!(run: STORE)` runs every case in turn, each with a fresh `STORE`
-/// expression: for a backend whose server the test itself starts and stops.
-#[macro_export]
-macro_rules! record_store_suite {
-    ($($how:tt)*) => {
-        $crate::__store_suite!(
-            record,
-            ($($how)*),
-            [
-                one_of_many_concurrent_begins_starts,
-                a_succeeded_record_is_done,
-                a_failed_record_is_taken_over,
-                another_payload_is_a_conflict,
-                an_unchecked_fingerprint_is_never_a_conflict,
-                a_processing_record_is_taken_over_after_its_lease,
-                a_stale_fencing_token_cannot_take_over,
-            ]
-        );
-    };
-}

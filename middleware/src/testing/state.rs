@@ -47,23 +47,3 @@ pub async fn one_of_many_concurrent_transitions_applies<S: StateStore>(store: S)
     }
     assert_eq!(applied, 1);
 }
-
-/// Runs the state store cases against a backend.
-///
-/// `state_store_suite!(make)` generates one `#[tokio::test]` per case, in a module `state`,
-/// each with the store the async function `make` returns. Inside an async test,
-/// `state_store_suite!(run: STORE)` runs every case in turn, each with a fresh `STORE`
-/// expression: for a backend whose server the test itself starts and stops.
-#[macro_export]
-macro_rules! state_store_suite {
-    ($($how:tt)*) => {
-        $crate::__store_suite!(
-            state,
-            ($($how)*),
-            [
-                compare_and_set_moves_only_from_the_expected_state,
-                one_of_many_concurrent_transitions_applies,
-            ]
-        );
-    };
-}

@@ -37,6 +37,7 @@ pub(crate) struct Statements {
     /// Deletes up to 5,000 `SUCCESS` rows older than `$1` ms.
     pub(crate) purge: String,
     /// A page of `SUCCESS` keys settled within `$1` seconds, after id `$2`, `$3` rows.
+    #[cfg(feature = "prefilter")]
     pub(crate) recent_successes: String,
 }
 
@@ -97,6 +98,7 @@ impl Statements {
                      SELECT id FROM {table} WHERE status = 'SUCCESS'
                        AND updated_at < now() - $1::bigint * interval '1 millisecond' LIMIT 5000)"
             ),
+            #[cfg(feature = "prefilter")]
             recent_successes: format!(
                 "SELECT id, message_key FROM {table}
                  WHERE status = 'SUCCESS' AND updated_at > now() - make_interval(secs => $1) AND id > $2
