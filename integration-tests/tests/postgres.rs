@@ -205,7 +205,7 @@ async fn the_transactional_record_applies_the_routes_fingerprint_policy() {
         fields.handle(sent("o-1", "sku-2", 3)).await.dead_letter_reason(),
         Some(oncely::DeadLetterReason::PayloadMismatch)
     );
-    let off = fields.with_fingerprint(oncely::FingerprintPolicy::Off);
+    let off = fields.with_fingerprint(oncely::FingerprintPolicy::off());
     assert_eq!(
         off.handle(sent("o-1", "sku-2", 4)).await,
         Outcome::Duplicate {

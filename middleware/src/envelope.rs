@@ -386,7 +386,7 @@ mod tests {
     }
 
     #[test]
-    fn the_body_is_parsed_once_and_clones_share_the_parse() {
+    fn the_body_is_parsed_once() {
         let delivery = Delivery::new(Source::new("q"), r#"{"a":1}"#);
         let first: *const Value = delivery.json().unwrap();
         let second: *const Value = delivery.json().unwrap();

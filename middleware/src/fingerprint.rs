@@ -15,7 +15,7 @@ use crate::error::{ConfigError, InputError};
 pub struct Fingerprint(u128);
 
 impl Fingerprint {
-    /// The fingerprint of a route whose policy is [`FingerprintPolicy::Off`]: it matches
+    /// The fingerprint of a route whose policy is [`FingerprintPolicy::off()`]: it matches
     /// every fingerprint, and every fingerprint matches it ([`matches`](Fingerprint::matches)).
     /// A body whose hash is this value (one chance in 2¹²⁸) is compared with nothing.
     pub const UNCHECKED: Fingerprint = Fingerprint(0);
@@ -66,31 +66,47 @@ impl fmt::Debug for Fingerprint {
 /// (`payload_validation_jmespath`): there, the whole event is hashed unless a JMESPath
 /// selects the fields that must match, and a mismatch raises
 /// `IdempotencyValidationError`. Here the selection is a list of JSON pointers
-/// ([`Fields`](FingerprintPolicy::Fields)), the default is the whole body, and validation can
-/// be turned [`Off`](FingerprintPolicy::Off); a mismatch is a dead letter with its reason.
+/// ([`fields`](FingerprintPolicy::fields)), the default is the whole body, and validation can
+/// be turned [`off`](FingerprintPolicy::off); a mismatch is a dead letter with its reason.
 ///
 /// Changing the policy of a live route changes the fingerprints of new deliveries: a
 /// duplicate of a key remembered under the old policy then looks like another payload
-/// (turning it off is the exception: `Off` matches whatever was recorded). Change it when
-/// no duplicates of older keys are expected, or pass through `Off` for the retention time.
+/// (turning it off is the exception: [`off`](FingerprintPolicy::off) matches whatever was
+/// recorded). Change it when no duplicates of older keys are expected, or pass through
+/// `off` for the retention time. Two limits of `off`: a key first remembered while it was
+/// off stays unchecked for as long as it is remembered, and consumers of a version before
+/// `off` existed compare its fingerprint exactly — deploy the version everywhere first.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum FingerprintPolicy {
-    /// The whole body, byte for byte: any difference is another payload.
+pub struct FingerprintPolicy(Policy);
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+enum Policy {
     #[default]
     WholeBody,
-    /// The values at these JSON pointers (see [`fields`](FingerprintPolicy::fields)): a
-    /// producer that re-sends an order with a new `sentAt` or trace id is still a
-    /// duplicate. A field absent from the body counts as absent, which differs from `null`.
-    /// Values are compared as parsed JSON, so whitespace and object key order inside a
-    /// field do not matter. A body that is not JSON is dead-lettered (`invalid_key`).
     Fields(Arc<[String]>),
-    /// No payload check: every delivery of a remembered key is a duplicate.
     Off,
 }
 
 impl FingerprintPolicy {
-    /// Fingerprints the values at `pointers` (RFC 6901, e.g. `/orderId`, `/amount/value`).
+    /// The whole body, byte for byte: any difference is another payload. The default.
+    pub fn whole_body() -> Self {
+        FingerprintPolicy(Policy::WholeBody)
+    }
+
+    /// No payload check: every delivery of a remembered key is a duplicate.
+    pub fn off() -> Self {
+        FingerprintPolicy(Policy::Off)
+    }
+
+    /// The values at `pointers` (RFC 6901, e.g. `/orderId`, `/amount/value`): a producer
+    /// that re-sends an order with a new `sentAt` or trace id is still a duplicate.
+    ///
+    /// A field absent from the body counts as absent, which differs from `null`. Values are
+    /// compared as parsed JSON: whitespace and object key order inside a field do not
+    /// matter; numbers are compared as 64-bit integers or, beyond those, as doubles (about
+    /// 15 significant digits: send values that need more as strings), so `1` and `1.0`
+    /// differ. A body that is not JSON is dead-lettered (`invalid_key`).
+    ///
     /// [`ConfigError::InvalidFingerprint`] when there are none, or one is neither empty (the
     /// whole document) nor starts with `/` — such a pointer would never match anything, and
     /// every payload would look the same.
@@ -102,7 +118,8 @@ impl FingerprintPolicy {
         let pointers: Vec<String> = pointers.into_iter().map(Into::into).collect();
         if pointers.is_empty() {
             return Err(ConfigError::InvalidFingerprint {
-                reason: "no field: list at least one JSON pointer, or use FingerprintPolicy::Off".to_owned(),
+                reason: "no field: list at least one JSON pointer, or use FingerprintPolicy::off()"
+                    .to_owned(),
             });
         }
         if let Some(bad) = pointers.iter().find(|p| !p.is_empty() && !p.starts_with('/')) {
@@ -110,15 +127,15 @@ impl FingerprintPolicy {
                 reason: format!("{bad:?} is not a JSON pointer: it must start with `/`"),
             });
         }
-        Ok(FingerprintPolicy::Fields(pointers.into()))
+        Ok(FingerprintPolicy(Policy::Fields(pointers.into())))
     }
 
     /// The fingerprint of `delivery` under this policy.
     pub(crate) fn fingerprint(&self, delivery: &Delivery) -> Result<Fingerprint, InputError> {
-        match self {
-            FingerprintPolicy::WholeBody => Ok(Fingerprint::of(delivery.body())),
-            FingerprintPolicy::Off => Ok(Fingerprint::UNCHECKED),
-            FingerprintPolicy::Fields(pointers) => {
+        match &self.0 {
+            Policy::WholeBody => Ok(Fingerprint::of(delivery.body())),
+            Policy::Off => Ok(Fingerprint::UNCHECKED),
+            Policy::Fields(pointers) => {
                 let document = delivery.json()?;
                 let mut selected = Vec::new();
                 for pointer in pointers.iter() {
@@ -215,7 +232,7 @@ mod tests {
         assert!(FingerprintPolicy::fields(Vec::<String>::new()).is_err());
         assert!(FingerprintPolicy::fields(["orderId"]).is_err());
 
-        let off = FingerprintPolicy::Off.fingerprint(&delivery("x")).unwrap();
+        let off = FingerprintPolicy::off().fingerprint(&delivery("x")).unwrap();
         assert!(off.matches(first) && first.matches(off));
         assert!(!first.matches(of(r#"{"orderId":"o-2"}"#)));
     }

@@ -60,6 +60,9 @@
 //!   `state_guard::PgStateStore`.
 //! - `prefilter`: the pre-filter tier's Bloom filter (`fastbloom`) and roaring bitmap.
 //!
+//! and two that are not backends: `metrics` (default), the tiers' metrics through the
+//! `metrics` facade ([`telemetry`]), and `testing`, the store suites.
+//!
 //! ```
 //! use std::time::Duration;
 //! use oncely::{handler_fn, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, Route, Source, Tier};

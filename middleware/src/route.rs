@@ -80,7 +80,7 @@ where
         Route {
             name: name.into(),
             key,
-            fingerprint: FingerprintPolicy::WholeBody,
+            fingerprint: FingerprintPolicy::whole_body(),
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             delivery_limit: None,
@@ -99,7 +99,7 @@ where
     }
 
     /// Sets what of each delivery is fingerprinted to tell a duplicate from a key reused
-    /// with another payload (default [`FingerprintPolicy::WholeBody`]); see
+    /// with another payload (default [`FingerprintPolicy::whole_body()`]); see
     /// [`FingerprintPolicy`].
     pub fn with_fingerprint(mut self, policy: FingerprintPolicy) -> Self {
         self.fingerprint = policy;

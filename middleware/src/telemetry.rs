@@ -44,6 +44,7 @@ mod recorded {
     use metrics::Label;
 
     use super::{Envelope, Outcome, Tier};
+    use crate::outcome::RetryReason;
 
     /// One envelope's way through one tier, as metrics.
     pub(crate) struct Probe {
@@ -72,7 +73,8 @@ mod recorded {
             metrics::counter!("oncely_tier_passed_total", self.labels.clone()).increment(1);
         }
 
-        /// The tier's store failed.
+        /// The tier's store failed and the tier passed the envelope on (fail open); a failure
+        /// that ends in `StoreUnavailable` is counted from the outcome.
         pub(crate) fn store_failed(&self) {
             metrics::counter!("oncely_tier_errors_total", self.labels.clone()).increment(1);
         }
@@ -83,6 +85,8 @@ mod recorded {
                 .record(self.started.elapsed().as_secs_f64());
             if *outcome == (Outcome::Duplicate { tier: self.tier }) {
                 metrics::counter!("oncely_tier_duplicates_total", self.labels).increment(1);
+            } else if outcome.retry_reason() == Some(RetryReason::StoreUnavailable(self.tier)) {
+                metrics::counter!("oncely_tier_errors_total", self.labels).increment(1);
             }
         }
     }

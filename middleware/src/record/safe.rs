@@ -31,6 +31,8 @@ pub trait TransactionSafe {}
 
 impl<F> TransactionSafe for crate::HandlerFn<F> {}
 #[cfg(feature = "prefilter")]
+// Every tier is a `TierService`; only the pre-filter's (which writes nothing) is safe. A
+// blanket impl over all decisions would let the flag, lock, state guard and records in.
 impl<S: TransactionSafe, F> TransactionSafe
     for crate::tier::TierService<S, crate::prefilter::PreFilterLayer<F>>
 {

@@ -60,7 +60,10 @@ pub trait TierDecision: Send + Sync + 'static {
 
     /// Settles `ticket` by the tiers' `outcome` and answers the tier's outcome (usually
     /// `outcome` itself). A store error becomes a retry
-    /// ([`StoreUnavailable`](crate::RetryReason::StoreUnavailable)).
+    /// ([`StoreUnavailable`](crate::RetryReason::StoreUnavailable)) — whatever the tiers
+    /// behind did. Behind a durable tier (a three-step record) that retry makes the record
+    /// run the handler again, so a tier whose settling is only an optimisation (the flag,
+    /// the record's own settle) logs its store error and answers `outcome` instead.
     fn exit(
         &self,
         ticket: Self::Ticket,
@@ -72,7 +75,7 @@ pub trait TierDecision: Send + Sync + 'static {
 pub(crate) fn in_flight(tier: Tier, key: &BusinessKey, delay: Duration) -> Outcome {
     Outcome::retry_later(
         RetryReason::InFlight(tier),
-        format!("key {key} is being processed by another delivery"),
+        format!("key {key} is being processed by another delivery (its {tier} claim)"),
         Some(delay),
     )
 }

@@ -9,7 +9,7 @@
 //!   the call;
 //! - the failure policy: a store error in `enter` fails open (the tiers behind decide) or
 //!   closed ([`RetryReason::StoreUnavailable`](crate::RetryReason::StoreUnavailable)), as
-//!   [`TierDecision::failure_policy`] says; one in `exit` is always that retry;
+//!   [`TierDecision::failure_policy`] says; an error `exit` returns is that retry;
 //! - an error or a non-oncely failure from the tiers behind becomes an outcome
 //!   ([`RetryReason::HandlerFailed`](crate::RetryReason::HandlerFailed)) before `exit` sees it;
 //! - metrics (cargo feature `metrics`, on by default): see [`crate::telemetry`].

@@ -97,10 +97,10 @@ where
         Ok(Enter::Proceed(ticket)) => ticket,
         Ok(Enter::Stop(outcome)) => return outcome,
         Err(error) => {
-            probe.store_failed();
             return match decision.failure_policy() {
                 FailurePolicy::FailOpen => {
                     tracing::warn!(tier = %D::TIER, key = %envelope.key(), %error, "store failed; passing to the tiers behind");
+                    probe.store_failed();
                     probe.passed();
                     behind(inner, envelope).await
                 }
@@ -112,10 +112,7 @@ where
     let outcome = behind(inner, envelope).await;
     match decision.exit(ticket, outcome).await {
         Ok(outcome) => outcome,
-        Err(error) => {
-            probe.store_failed();
-            store_unavailable(D::TIER, &error)
-        }
+        Err(error) => store_unavailable(D::TIER, &error),
     }
 }
 
@@ -133,5 +130,9 @@ where
 
 /// The answer when `tier`'s store failed and the tier fails closed.
 pub(crate) fn store_unavailable(tier: Tier, error: &StoreError) -> Outcome {
-    Outcome::retry_later(RetryReason::StoreUnavailable(tier), error.to_string(), None)
+    Outcome::retry_later(
+        RetryReason::StoreUnavailable(tier),
+        format!("{tier} {error}"),
+        None,
+    )
 }

@@ -121,7 +121,7 @@ pub async fn fingerprint_policies_are_applied<S>(
     };
     let duplicate = Outcome::Duplicate { tier };
 
-    let whole = route(FingerprintPolicy::WholeBody);
+    let whole = route(FingerprintPolicy::whole_body());
     assert_eq!(whole.handle(sent("o-1", "A", 1)).await, Outcome::Processed);
     assert_eq!(whole.handle(sent("o-1", "A", 1)).await, duplicate);
     assert_eq!(
@@ -143,7 +143,7 @@ pub async fn fingerprint_policies_are_applied<S>(
         "fields: another sku is another payload"
     );
 
-    let off = route(FingerprintPolicy::Off);
+    let off = route(FingerprintPolicy::off());
     assert_eq!(off.handle(sent("o-4", "A", 1)).await, Outcome::Processed);
     assert_eq!(
         off.handle(sent("o-4", "B", 2)).await,

@@ -115,6 +115,11 @@ async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statement
 
 fn fail_all(waiters: Vec<Waiter>, error: &StoreError) {
     for (_, reply) in waiters {
-        let _ = reply.send(Err(StoreError::new(error.to_string())));
+        // Every waiter gets the failure; the client's error cannot be cloned, its text can.
+        let detail = match error {
+            StoreError::Failed { source } => source.to_string(),
+            StoreError::Malformed { what } => what.clone(),
+        };
+        let _ = reply.send(Err(StoreError::new(detail)));
     }
 }

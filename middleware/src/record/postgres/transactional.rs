@@ -121,6 +121,34 @@ impl fmt::Debug for PgTransaction {
 ///     .service(handler);
 /// # }
 /// ```
+///
+/// Nor does a lock, a three-step record or a second transactional record inside it:
+///
+/// ```compile_fail
+/// # use oncely::{Envelope, HandlerError, KeyExtractor, handler_fn};
+/// # use oncely::lock::{LockLayer, MemoryLockStore};
+/// # use oncely::record::PgTransactionalLayer;
+/// # fn stack(pool: oncely::postgres::deadpool_postgres::Pool, table: oncely::postgres::Table) {
+/// let handler = handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) });
+/// let lock_inside_the_transaction = tower::ServiceBuilder::new()
+///     .layer(PgTransactionalLayer::new(pool, table))
+///     .layer(LockLayer::new(MemoryLockStore::new(), KeyExtractor::json_pointer("/sku")))
+///     .service(handler);
+/// # }
+/// ```
+///
+/// ```compile_fail
+/// # use oncely::{Envelope, HandlerError, handler_fn};
+/// # use oncely::record::{MemoryRecordStore, PgTransactionalLayer, RecordLayer};
+/// # fn stack(pool: oncely::postgres::deadpool_postgres::Pool, table: oncely::postgres::Table) {
+/// let handler = handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) });
+/// let records_inside_the_transaction = tower::ServiceBuilder::new()
+///     .layer(PgTransactionalLayer::new(pool.clone(), table.clone()))
+///     .layer(RecordLayer::new(MemoryRecordStore::new()))
+///     .layer(PgTransactionalLayer::new(pool, table))
+///     .service(handler);
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct PgTransactionalLayer {
     pool: Pool,
