@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Effects, count, handle_concurrently, order};
+use common::{Effects, order};
 use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
 use oncely::record::{MemoryRecordStore, RecordLayer};
 use oncely::{
@@ -20,13 +20,7 @@ fn route(
     effects: &Effects,
     work: Duration,
     failures: usize,
-) -> Route<
-    impl tower::Service<oncely::Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + 'static,
-> {
+) -> Route<impl common::Stack> {
     let stack = ServiceBuilder::new()
         .layer(layer)
         .service(effects.handler(work, failures));
@@ -42,19 +36,7 @@ async fn thirty_two_concurrent_deliveries_of_one_key_run_the_handler_once() {
         Duration::from_millis(50),
         0,
     );
-    let outcomes = handle_concurrently(&route, vec![order("o-1", "A"); 32]).await;
-
-    assert_eq!(count(&outcomes, |o| *o == Outcome::Processed), 1);
-    assert_eq!(
-        count(&outcomes, |o| o.retry_reason()
-            == Some(RetryReason::InFlight(Tier::Flag))),
-        31
-    );
-    assert_eq!(effects.of("o-1"), 1);
-    assert_eq!(
-        route.handle(order("o-1", "A")).await,
-        Outcome::Duplicate { tier: Tier::Flag }
-    );
+    common::one_of_thirty_two_concurrent_copies_runs(&route, &effects, Tier::Flag).await;
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@ use common::{Effects, count, handle_concurrently, order};
 use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
 use oncely::prefilter::{BitmapPreFilter, BloomPreFilter, PreFilter, PreFilterLayer, Verdict};
 use oncely::record::{MemoryRecordStore, RecordLayer};
-use oncely::{BusinessKey, ConfigError, Envelope, Fingerprint, KeyExtractor, Outcome, Route, Tier, Token};
+use oncely::{BusinessKey, ConfigError, Fingerprint, KeyExtractor, Outcome, Route, Tier, Token};
 use tower::ServiceBuilder;
 
 /// Pre-filter, flag (skipping its claim for certainly new keys) and record, in front of a
@@ -19,13 +19,7 @@ fn route<F: PreFilter>(
     flags: &MemoryFlagStore,
     records: &MemoryRecordStore,
     effects: &Effects,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + 'static,
-> {
+) -> Route<impl common::Stack> {
     let stack = ServiceBuilder::new()
         .layer(filter)
         .layer(FlagLayer::new(flags.clone(), Duration::from_secs(600)).skip_claim_when_certainly_new())

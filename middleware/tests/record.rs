@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Effects, count, handle_concurrently, order};
+use common::{Effects, order};
 use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::{BusinessKey, DeadLetterReason, KeyExtractor, Outcome, RetryReason, Route, Tier};
 use tower::ServiceBuilder;
@@ -14,13 +14,7 @@ fn route(
     effects: &Effects,
     work: Duration,
     failures: usize,
-) -> Route<
-    impl tower::Service<oncely::Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + 'static,
-> {
+) -> Route<impl common::Stack> {
     let stack = ServiceBuilder::new()
         .layer(RecordLayer::new(store.clone()).with_lease(Duration::from_secs(10)))
         .service(effects.handler(work, failures));
@@ -32,19 +26,7 @@ async fn thirty_two_concurrent_deliveries_of_one_key_run_the_handler_once() {
     let store = MemoryRecordStore::new();
     let effects = Effects::default();
     let route = route(&store, &effects, Duration::from_millis(50), 0);
-    let outcomes = handle_concurrently(&route, vec![order("o-1", "A"); 32]).await;
-
-    assert_eq!(count(&outcomes, |o| *o == Outcome::Processed), 1);
-    assert_eq!(
-        count(&outcomes, |o| o.retry_reason()
-            == Some(RetryReason::InFlight(Tier::Record))),
-        31
-    );
-    assert_eq!(effects.of("o-1"), 1);
-    assert_eq!(
-        route.handle(order("o-1", "A")).await,
-        Outcome::Duplicate { tier: Tier::Record }
-    );
+    common::one_of_thirty_two_concurrent_copies_runs(&route, &effects, Tier::Record).await;
     let record = store.get(&BusinessKey::new("o-1")).await.unwrap().unwrap();
     assert_eq!((record.status, record.attempts), (RecordStatus::Success, 1));
 }

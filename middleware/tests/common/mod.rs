@@ -155,3 +155,41 @@ pub async fn fingerprint_policies_are_applied<S>(
         (1, 1, 1)
     );
 }
+
+/// A stack as the tests' routes hold it.
+pub trait Stack:
+    Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> Stack for S where
+    S: Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// Thirty-two concurrent copies of one order through `route`, whose handler takes a while:
+/// one runs the handler, the rest wait for `tier`'s claim, and a later copy is `tier`'s
+/// duplicate.
+pub async fn one_of_thirty_two_concurrent_copies_runs<S: Stack>(
+    route: &oncely::Route<S>,
+    effects: &Effects,
+    tier: oncely::Tier,
+) {
+    let outcomes = handle_concurrently(route, vec![order("o-1", "A"); 32]).await;
+    assert_eq!(count(&outcomes, |o| *o == Outcome::Processed), 1);
+    assert_eq!(
+        count(&outcomes, |o| o.retry_reason()
+            == Some(oncely::RetryReason::InFlight(tier))),
+        31
+    );
+    assert_eq!(effects.of("o-1"), 1);
+    assert_eq!(route.handle(order("o-1", "A")).await, Outcome::Duplicate { tier });
+}
