@@ -143,22 +143,18 @@ impl Delivery {
         self
     }
 
-    /// Replaces all headers.
-    pub fn with_headers(mut self, headers: Headers) -> Self {
-        self.headers = headers;
-        self
-    }
-
     /// Sets the attempt number (1 = first delivery). 0 is read as 1.
     pub fn with_attempt(mut self, attempt: u32) -> Self {
         self.attempt = attempt.max(1);
         self
     }
 
-    /// Marks the delivery as redelivered by the broker.
-    pub fn with_redelivered(mut self, redelivered: bool) -> Self {
-        self.redelivered = redelivered;
-        self
+    setters! {
+        /// Replaces all headers.
+        with_headers(headers: Headers);
+
+        /// Marks the delivery as redelivered by the broker.
+        with_redelivered(redelivered: bool);
     }
 
     /// The broker's message id, if the message has one.

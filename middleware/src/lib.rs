@@ -88,6 +88,20 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// Builder methods that each set one field to their argument, named as the field is:
+/// `setters! { /// docs \n with_lease(lease: Duration); }`.
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($field:ident: $type:ty);)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(mut self, $field: $type) -> Self {
+                self.$field = $field;
+                self
+            }
+        )*
+    };
+}
+
 mod backend;
 pub mod deliveries;
 mod envelope;

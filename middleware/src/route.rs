@@ -98,20 +98,16 @@ where
         self
     }
 
-    /// Sets what of each delivery is fingerprinted to tell a duplicate from a key reused
-    /// with another payload (default [`FingerprintPolicy::whole_body()`]); see
-    /// [`FingerprintPolicy`].
-    pub fn with_fingerprint(mut self, policy: FingerprintPolicy) -> Self {
-        self.fingerprint = policy;
-        self
-    }
+    setters! {
+        /// Sets what of each delivery is fingerprinted to tell a duplicate from a key reused
+        /// with another payload (default [`FingerprintPolicy::whole_body()`]); see
+        /// [`FingerprintPolicy`].
+        with_fingerprint(fingerprint: FingerprintPolicy);
 
-    /// Sets the largest body, in bytes, the route accepts (default
-    /// [`DEFAULT_MAX_BODY_LEN`]). A larger one is dead-lettered as
-    /// [`DeadLetterReason::Oversize`] before its key is read or its body parsed.
-    pub fn with_max_body_len(mut self, max_body_len: usize) -> Self {
-        self.max_body_len = max_body_len;
-        self
+        /// Sets the largest body, in bytes, the route accepts (default
+        /// [`DEFAULT_MAX_BODY_LEN`]). A larger one is dead-lettered as
+        /// [`DeadLetterReason::Oversize`] before its key is read or its body parsed.
+        with_max_body_len(max_body_len: usize);
     }
 
     /// Sets how many attempts a delivery gets (default [`DEFAULT_MAX_ATTEMPTS`]). A delivery

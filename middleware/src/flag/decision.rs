@@ -22,7 +22,7 @@ impl<St: FlagStore> TierDecision for FlagLayer<St> {
     const TIER: Tier = Tier::Flag;
 
     fn failure_policy(&self) -> FailurePolicy {
-        self.on_store_error
+        self.failure_policy
     }
 
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<FlagTicket>, StoreError> {

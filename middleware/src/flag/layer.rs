@@ -15,7 +15,7 @@ pub struct FlagLayer<St> {
     pub(super) lease: Duration,
     pub(super) retention: Duration,
     pub(super) in_flight_delay: Duration,
-    pub(super) on_store_error: FailurePolicy,
+    pub(super) failure_policy: FailurePolicy,
     pub(super) skip_claim_when_certainly_new: bool,
 }
 
@@ -29,35 +29,25 @@ impl<St> FlagLayer<St> {
             lease: Duration::from_secs(30),
             retention: retention_for(retry_window),
             in_flight_delay: Duration::from_secs(1),
-            on_store_error: FailurePolicy::FailOpen,
+            failure_policy: FailurePolicy::FailOpen,
             skip_claim_when_certainly_new: false,
         }
     }
 
-    /// How long an in-flight claim lives if its holder never completes or releases it (the
-    /// consumer crashed). Longer than the slowest handler run, or a second delivery gets in
-    /// while the first still works (the record tier behind then catches it).
-    pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
-        self
-    }
+    setters! {
+        /// How long an in-flight claim lives if its holder never completes or releases it (the
+        /// consumer crashed). Longer than the slowest handler run, or a second delivery gets in
+        /// while the first still works (the record tier behind then catches it).
+        with_lease(lease: Duration);
 
-    /// Sets the done marker's retention directly instead of deriving it from the window.
-    pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
-    }
+        /// Sets the done marker's retention directly instead of deriving it from the window.
+        with_retention(retention: Duration);
 
-    /// The delay suggested to the broker when the key is in flight elsewhere.
-    pub fn with_in_flight_delay(mut self, delay: Duration) -> Self {
-        self.in_flight_delay = delay;
-        self
-    }
+        /// The delay suggested to the broker when the key is in flight elsewhere.
+        with_in_flight_delay(in_flight_delay: Duration);
 
-    /// What to do when the store fails (default [`FailurePolicy::FailOpen`]).
-    pub fn with_failure_policy(mut self, policy: FailurePolicy) -> Self {
-        self.on_store_error = policy;
-        self
+        /// What to do when the store fails (default [`FailurePolicy::FailOpen`]).
+        with_failure_policy(failure_policy: FailurePolicy);
     }
 
     /// Lets an envelope that a pre-filter (feature `prefilter`) found certainly new skip the

@@ -28,7 +28,7 @@ impl<St: LockStore> TierDecision for LockLayer<St> {
     const TIER: Tier = Tier::Lock;
 
     fn failure_policy(&self) -> FailurePolicy {
-        self.on_store_error
+        self.failure_policy
     }
 
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<LockTicket>, StoreError> {

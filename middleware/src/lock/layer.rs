@@ -13,7 +13,7 @@ pub struct LockLayer<St> {
     pub(super) lease: Duration,
     pub(super) renew_every: Duration,
     pub(super) busy_delay: Duration,
-    pub(super) on_store_error: FailurePolicy,
+    pub(super) failure_policy: FailurePolicy,
 }
 
 impl<St> LockLayer<St> {
@@ -28,7 +28,7 @@ impl<St> LockLayer<St> {
             lease,
             renew_every: lease / 3,
             busy_delay: Duration::from_secs(1),
-            on_store_error: FailurePolicy::FailClosed,
+            failure_policy: FailurePolicy::FailClosed,
         }
     }
 
@@ -40,25 +40,18 @@ impl<St> LockLayer<St> {
         self
     }
 
-    /// Sets how often the watchdog renews the lease (default a third of the lease). Renewal
-    /// must succeed at least once per lease; a failed renewal is retried at this pace until
-    /// the lease would run out, and then the lease counts as lost.
-    pub fn with_renew_every(mut self, every: Duration) -> Self {
-        self.renew_every = every;
-        self
-    }
+    setters! {
+        /// Sets how often the watchdog renews the lease (default a third of the lease). Renewal
+        /// must succeed at least once per lease; a failed renewal is retried at this pace until
+        /// the lease would run out, and then the lease counts as lost.
+        with_renew_every(renew_every: Duration);
 
-    /// The delay suggested to the broker when the entity is locked by another delivery.
-    pub fn with_busy_delay(mut self, delay: Duration) -> Self {
-        self.busy_delay = delay;
-        self
-    }
+        /// The delay suggested to the broker when the entity is locked by another delivery.
+        with_busy_delay(busy_delay: Duration);
 
-    /// What to do when the store fails (default [`FailurePolicy::FailClosed`]). Failing open
-    /// runs the handler without mutual exclusion.
-    pub fn with_failure_policy(mut self, policy: FailurePolicy) -> Self {
-        self.on_store_error = policy;
-        self
+        /// What to do when the store fails (default [`FailurePolicy::FailClosed`]). Failing open
+        /// runs the handler without mutual exclusion.
+        with_failure_policy(failure_policy: FailurePolicy);
     }
 }
 

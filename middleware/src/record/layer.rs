@@ -22,17 +22,13 @@ impl<St> RecordLayer<St> {
         }
     }
 
-    /// How long a `PROCESSING` record blocks other deliveries of its key before one may take
-    /// it over. Make it longer than the slowest handler run.
-    pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
-        self
-    }
+    setters! {
+        /// How long a `PROCESSING` record blocks other deliveries of its key before one may take
+        /// it over. Make it longer than the slowest handler run.
+        with_lease(lease: Duration);
 
-    /// The delay suggested to the broker when the key is in flight elsewhere.
-    pub fn with_in_flight_delay(mut self, delay: Duration) -> Self {
-        self.in_flight_delay = delay;
-        self
+        /// The delay suggested to the broker when the key is in flight elsewhere.
+        with_in_flight_delay(in_flight_delay: Duration);
     }
 }
 

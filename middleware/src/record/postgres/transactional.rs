@@ -168,11 +168,10 @@ impl PgTransactionalLayer {
         }
     }
 
-    /// The delay suggested to the broker when the key's row is `PROCESSING` under a
-    /// three-step record's lease (a table shared by both modes; default 1 s).
-    pub fn with_in_flight_delay(mut self, delay: Duration) -> Self {
-        self.in_flight_delay = delay;
-        self
+    setters! {
+        /// The delay suggested to the broker when the key's row is `PROCESSING` under a
+        /// three-step record's lease (a table shared by both modes; default 1 s).
+        with_in_flight_delay(in_flight_delay: Duration);
     }
 }
 
