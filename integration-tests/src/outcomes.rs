@@ -2,10 +2,10 @@
 //! delivery (duplicates included) and assert on the outcomes.
 
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 
-use oncely::{BoxFuture, Envelope, Outcome};
-use tower::{Layer, Service};
+use oncely::tier::{Enter, TierDecision, TierService};
+use oncely::{Envelope, Outcome, StoreError, Tier};
+use tower::Layer;
 
 /// The outcomes of the stack it wraps, as `(key, outcome)` in the order they were answered.
 /// Outcomes the route decides before the stack (an unreadable key) are not in it.
@@ -41,44 +41,25 @@ impl OutcomeLog {
 }
 
 impl<S> Layer<S> for OutcomeLog {
-    type Service = Logged<S>;
+    type Service = TierService<S, OutcomeLog>;
 
-    fn layer(&self, inner: S) -> Logged<S> {
-        Logged {
-            inner,
-            log: self.clone(),
-        }
+    fn layer(&self, inner: S) -> Self::Service {
+        TierService::new(inner, self.clone())
     }
 }
 
-/// The service of [`OutcomeLog`].
-#[derive(Clone, Debug)]
-pub struct Logged<S> {
-    inner: S,
-    log: OutcomeLog,
-}
+/// A tier of the tests' own: lets every envelope through and notes what the stack behind
+/// answered for its key.
+impl TierDecision for OutcomeLog {
+    type Ticket = String;
+    const TIER: Tier = Tier::Custom("outcome_log");
 
-impl<S> Service<Envelope> for Logged<S>
-where
-    S: Service<Envelope, Response = Outcome>,
-    S::Future: Send + 'static,
-{
-    type Response = Outcome;
-    type Error = S::Error;
-    type Future = BoxFuture<Result<Outcome, S::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
+    async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<String>, StoreError> {
+        Ok(Enter::Proceed(envelope.key().to_string()))
     }
 
-    fn call(&mut self, envelope: Envelope) -> Self::Future {
-        let key = envelope.key().to_string();
-        let answer = self.inner.call(envelope);
-        let log = self.log.clone();
-        Box::pin(async move {
-            let outcome = answer.await?;
-            log.0.lock().expect("not poisoned").push((key, outcome.clone()));
-            Ok(outcome)
-        })
+    async fn exit(&self, key: String, outcome: Outcome) -> Result<Outcome, StoreError> {
+        self.0.lock().expect("not poisoned").push((key, outcome.clone()));
+        Ok(outcome)
     }
 }

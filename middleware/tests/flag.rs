@@ -8,8 +8,8 @@ use common::{Effects, order};
 use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
 use oncely::record::{MemoryRecordStore, RecordLayer};
 use oncely::{
-    BusinessKey, DeadLetterReason, FailurePolicy, Fingerprint, KeyExtractor, Outcome, RetryReason, Route,
-    StoreError, Tier, Token,
+    BusinessKey, FailurePolicy, Fingerprint, KeyExtractor, Outcome, RetryReason, Route, StoreError, Tier,
+    Token,
 };
 use tower::ServiceBuilder;
 
@@ -61,24 +61,6 @@ async fn a_failed_handler_releases_the_claim_and_the_redelivery_is_processed_onc
         Outcome::Duplicate { tier: Tier::Flag }
     );
     assert_eq!(effects.of("o-1"), 1);
-}
-
-#[tokio::test]
-async fn the_same_key_with_another_payload_is_dead_lettered() {
-    let effects = Effects::default();
-    let route = route(
-        FlagLayer::new(MemoryFlagStore::new(), WINDOW),
-        &effects,
-        Duration::ZERO,
-        0,
-    );
-    assert_eq!(route.handle(order("o-1", "A")).await, Outcome::Processed);
-    let reused = route.handle(order("o-1", "B")).await;
-    assert_eq!(
-        reused.dead_letter_reason(),
-        Some(DeadLetterReason::PayloadMismatch)
-    );
-    assert_eq!(effects.total(), 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::{Effects, order};
 use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
-use oncely::{BusinessKey, DeadLetterReason, KeyExtractor, Outcome, RetryReason, Route, Tier};
+use oncely::{BusinessKey, KeyExtractor, Outcome, RetryReason, Route, Tier};
 use tower::ServiceBuilder;
 
 fn route(
@@ -51,20 +51,6 @@ async fn a_failure_is_recorded_and_the_retry_takes_over() {
     let record = store.get(&key).await.unwrap().unwrap();
     assert_eq!((record.status, record.attempts), (RecordStatus::Success, 2));
     assert_eq!(effects.of("o-1"), 1);
-}
-
-#[tokio::test]
-async fn the_same_key_with_another_payload_is_dead_lettered() {
-    let store = MemoryRecordStore::new();
-    let effects = Effects::default();
-    let route = route(&store, &effects, Duration::ZERO, 0);
-    assert_eq!(route.handle(order("o-1", "A")).await, Outcome::Processed);
-    let reused = route.handle(order("o-1", "B")).await;
-    assert_eq!(
-        reused.dead_letter_reason(),
-        Some(DeadLetterReason::PayloadMismatch)
-    );
-    assert_eq!(effects.total(), 1);
 }
 
 #[tokio::test(start_paused = true)]
