@@ -70,6 +70,7 @@
 //! # }
 //! ```
 
+pub mod dead_letter;
 pub mod deliveries;
 mod envelope;
 mod error;
@@ -94,13 +95,14 @@ pub mod state_guard;
 pub mod telemetry;
 mod token;
 
+pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use envelope::{
     Broker, BusinessKey, Delivery, Envelope, Extensions, Fingerprint, Headers, Position, Source,
 };
 pub use error::{BoxError, Error};
 pub use handler::{HandlerError, HandlerFn, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
-pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLater, RetryReason, Tier};
+pub use outcome::{BrokerAction, Outcome, RetryLater, RetryReason, Tier};
 pub use policy::FailurePolicy;
 #[cfg(feature = "redis")]
 pub use redis_backend::{DEFAULT_REDIS_PREFIX, RedisConnection};
