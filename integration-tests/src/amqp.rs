@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use deadpool_postgres::Pool;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::lock::{LockLayer, RedisLockStore};
@@ -61,6 +61,17 @@ pub async fn drain(channel: &Channel, queue: &str) -> Vec<lapin::message::BasicG
         messages.push(message);
     }
     messages
+}
+
+/// The header `name` of a message taken from a queue, as text: strings as they are, numbers
+/// in decimal (the runner's attempt counters), anything else in its debug form.
+pub fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> Option<String> {
+    let headers = message.delivery.properties.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
+        AMQPValue::LongLongInt(number) => Some(number.to_string()),
+        other => Some(format!("{other:?}")),
+    }
 }
 
 /// Closes, on the broker's side, every connection whose client properties carry `name`,

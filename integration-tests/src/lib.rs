@@ -3,6 +3,7 @@
 
 pub mod amqp;
 pub mod chaos_stack;
+pub mod dead_letter;
 pub mod outcomes;
 pub mod postgres;
 pub mod recorder;

@@ -7,14 +7,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use integration_tests::amqp::{
-    close_connections_named, connect, drain, orders_route, ready_messages, scratch_topology,
+    close_connections_named, connect, drain, header_text, orders_route, ready_messages, scratch_topology,
 };
+use integration_tests::dead_letter;
 use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
-use lapin::types::AMQPValue;
 use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
-use oncely_amqp::{ATTEMPTS_HEADER, Producer, REASON_HEADER, Runner, Topology};
+use oncely_amqp::{ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
 use tokio_util::sync::CancellationToken;
 
 fn order_body(order: usize) -> Vec<u8> {
@@ -193,15 +193,6 @@ impl Drop for ConsumerProcess {
     }
 }
 
-fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> Option<String> {
-    let headers = message.delivery.properties.headers().as_ref()?;
-    match headers.inner().get(name)? {
-        AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
-        AMQPValue::LongLongInt(number) => Some(number.to_string()),
-        other => Some(format!("{other:?}")),
-    }
-}
-
 /// A route whose handler fails with a transient error on its first `failures` runs and
 /// records the attempt numbers it saw.
 fn flaky_route(
@@ -272,10 +263,24 @@ async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
     let dead = drain(&channel, &dlq).await;
     assert_eq!(dead.len(), 3);
     for message in &dead {
-        let reason = header_text(message, REASON_HEADER).expect("a reason header");
-        assert!(reason.starts_with("invalid_key: "), "{reason}");
+        let message_id = message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str());
+        dead_letter::assert_metadata(
+            |name| header_text(message, name),
+            &dead_letter::Expected {
+                reason: "invalid_key",
+                attempts: 1,
+                route: "flaky",
+                source: topology.queue(),
+                message_id: Some(message_id.expect("the producer stamps a message id")),
+            },
+        );
         assert_eq!(
-            header_text(message, "x-oncely-original-routing-key").as_deref(),
+            header_text(message, ORIGINAL_ROUTING_KEY_HEADER).as_deref(),
             Some(topology.queue())
         );
     }
@@ -318,9 +323,16 @@ async fn exhausted_attempts_go_to_the_dead_letter_queue() {
     })
     .await;
     let dead = drain(&channel, &dlq).await;
-    let reason = header_text(&dead[0], REASON_HEADER).unwrap();
-    assert!(reason.starts_with("attempts_exhausted: "), "{reason}");
-    assert_eq!(header_text(&dead[0], ATTEMPTS_HEADER).as_deref(), Some("3"));
+    dead_letter::assert_metadata(
+        |name| header_text(&dead[0], name),
+        &dead_letter::Expected {
+            reason: "attempts_exhausted",
+            attempts: 3,
+            route: "flaky",
+            source: topology.queue(),
+            message_id: None,
+        },
+    );
     assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
     topology.delete(&channel).await.unwrap();
 }

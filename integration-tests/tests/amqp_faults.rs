@@ -9,26 +9,36 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use integration_tests::amqp::{
-    amqp_addr, close_connections_named, connect, drain, ready_messages, scratch_topology,
+    amqp_addr, close_connections_named, connect, drain, header_text, ready_messages, scratch_topology,
 };
+use integration_tests::dead_letter;
 use integration_tests::{unique, wait_until};
 use lapin::options::{BasicPublishOptions, QueueDeleteOptions};
-use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use oncely::{
     BoxFuture, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Tier, handler_fn,
 };
-use oncely_amqp::{ATTEMPTS_HEADER, Producer, REASON_HEADER, Runner, Topology};
+use oncely_amqp::{Producer, Runner, Topology};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> String {
-    let headers = message.delivery.properties.headers().as_ref().expect("headers");
-    match headers.inner().get(name).expect(name) {
-        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
-        AMQPValue::LongLongInt(number) => number.to_string(),
-        other => format!("{other:?}"),
-    }
+/// Asserts that `message`, taken from the dead-letter queue of `topology`, carries the
+/// dead-letter metadata with `reason`, `attempts` and `route`.
+fn assert_dead_letter(
+    message: &lapin::message::BasicGetMessage,
+    topology: &Topology,
+    reason: &str,
+    attempts: u32,
+    route: &str,
+) {
+    let expected = dead_letter::Expected {
+        reason,
+        attempts,
+        route,
+        source: topology.queue(),
+        message_id: None,
+    };
+    dead_letter::assert_metadata(|name| header_text(message, name), &expected);
 }
 
 /// A fresh topology holding one message per order id, and a channel to inspect it with.
@@ -124,10 +134,9 @@ async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_pa
     running.await.unwrap();
 
     for message in drain(&channel, &dlq).await {
-        let reason = header_text(&message, REASON_HEADER);
-        assert!(reason.starts_with("attempts_exhausted: "), "{reason}");
-        assert!(reason.contains("panicked: bug in the handler"), "{reason}");
-        assert_eq!(header_text(&message, ATTEMPTS_HEADER), "2");
+        assert_dead_letter(&message, &topology, "attempts_exhausted", 2, "panics");
+        let detail = header_text(&message, oncely::dead_letter::DETAIL).unwrap();
+        assert!(detail.contains("panicked: bug in the handler"), "{detail}");
     }
     for order in &orders[..5] {
         assert_eq!(runs.of(order), 2, "{order}: each attempt counted once");
@@ -192,11 +201,8 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
 
     let dead = drain(&channel, &dlq).await;
     assert_eq!(dead.len(), 1, "only the poison message is dead-lettered");
-    assert!(
-        header_text(&dead[0], REASON_HEADER).starts_with("delivery_limit: "),
-        "{}",
-        header_text(&dead[0], REASON_HEADER)
-    );
+    // Three crashes with a retry (attempt + 1) after each of the first two.
+    assert_dead_letter(&dead[0], &topology, "delivery_limit", 3, "crash-loop");
     assert_eq!(
         String::from_utf8_lossy(&dead[0].delivery.data),
         r#"{"orderId":"poison"}"#
@@ -246,8 +252,8 @@ async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter
     shutdown.cancel();
     running.await.unwrap();
     let dead = drain(&channel, &dlq).await;
-    let reason = header_text(&dead[0], REASON_HEADER);
-    assert!(reason.starts_with("delivery_limit: "), "{reason}");
+    // Its retry copy never left: every run was attempt 1.
+    assert_dead_letter(&dead[0], &topology, "delivery_limit", 1, "unroutable");
     assert_eq!(runs.of("o-1"), 3, "the stack ran a bounded number of times");
     topology.delete(&channel).await.unwrap();
 }
@@ -299,8 +305,7 @@ async fn waiting_for_another_holder_uses_up_no_attempts() {
     shutdown.cancel();
     running.await.unwrap();
     let dead = drain(&channel, &dlq).await;
-    assert!(header_text(&dead[0], REASON_HEADER).starts_with("attempts_exhausted: "));
-    assert_eq!(header_text(&dead[0], ATTEMPTS_HEADER), "3");
+    assert_dead_letter(&dead[0], &topology, "attempts_exhausted", 3, "waits");
     assert_eq!(
         *attempts.lock().unwrap(),
         vec![1, 1, 1, 1, 1, 2, 3],

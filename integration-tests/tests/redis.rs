@@ -338,7 +338,7 @@ async fn a_redis_restart_mid_run_applies_no_effect_twice_and_acks_nothing_early(
                             }
                             settled.fetch_add(1, Ordering::SeqCst);
                         }
-                        BrokerAction::DeadLetter => {
+                        BrokerAction::DeadLetter(_) => {
                             dead_letters.fetch_add(1, Ordering::SeqCst);
                             settled.fetch_add(1, Ordering::SeqCst);
                         }

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use integration_tests::dead_letter;
 use integration_tests::outcomes::OutcomeLog;
 use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
 use integration_tests::rocketmq::{ScratchRocketMq, property};
@@ -14,10 +15,7 @@ use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine};
 use oncely::{Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
 use oncely_rocketmq::rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
-use oncely_rocketmq::{
-    ConcurrentListener, ORIGINAL_MESSAGE_ID_PROPERTY, ORIGINAL_TOPIC_PROPERTY, OrderlyListener,
-    REASON_PROPERTY,
-};
+use oncely_rocketmq::{ConcurrentListener, OrderlyListener};
 use tokio::runtime::Handle;
 use tower::ServiceBuilder;
 
@@ -327,23 +325,28 @@ async fn poison_goes_to_the_dead_letter_topic_with_the_reason() {
     let dead = dead_letters.lock().unwrap().clone();
     let mut reasons: Vec<_> = dead
         .iter()
-        .filter_map(|message| property(message, REASON_PROPERTY))
+        .filter_map(|message| property(message, oncely::dead_letter::REASON))
         .collect();
     reasons.sort();
     assert_eq!(reasons, ["invalid_key", "payload_mismatch"]);
     for message in &dead {
-        assert_eq!(
-            property(message, ORIGINAL_TOPIC_PROPERTY).as_deref(),
-            Some(topic.as_str())
-        );
+        let reason = property(message, oncely::dead_letter::REASON).unwrap();
+        let expected = dead_letter::Expected {
+            reason: &reason,
+            attempts: 1,
+            route: "credit_points",
+            source: &topic,
+            // The reused message's id is known: the test set it.
+            message_id: (reason == "payload_mismatch").then_some(reused_id.as_str()),
+        };
+        dead_letter::assert_metadata(|name| property(message, name), &expected);
     }
     let mismatch = dead
         .iter()
-        .find(|message| property(message, REASON_PROPERTY).as_deref() == Some("payload_mismatch"))
+        .find(|message| property(message, oncely::dead_letter::REASON).as_deref() == Some("payload_mismatch"))
         .unwrap();
     assert_eq!(mismatch.body().as_deref(), Some(&payment_body(3)[..]));
     assert_eq!(property(mismatch, "KEYS").as_deref(), Some("order_1"));
-    assert_eq!(property(mismatch, ORIGINAL_MESSAGE_ID_PROPERTY), Some(reused_id));
     assert_eq!(
         schema.count("SELECT count(*) FROM points").await,
         1,

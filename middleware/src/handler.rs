@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use tower_service::Service;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::envelope::Envelope;
 use crate::error::BoxError;
-use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
+use crate::outcome::{Outcome, RetryReason};
 use crate::tier::BoxFuture;
 
 /// A handler's failure: transient (retry later, the default) or permanent (dead-letter).

@@ -103,6 +103,7 @@ macro_rules! setters {
 }
 
 mod backend;
+pub mod dead_letter;
 pub mod deliveries;
 mod envelope;
 mod error;
@@ -127,12 +128,13 @@ mod token;
 
 #[cfg(feature = "redis")]
 pub use backend::redis::{DEFAULT_REDIS_PREFIX, RedisConnection};
+pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use envelope::{BusinessKey, Delivery, Envelope, Extensions, Headers, Position, Source};
 pub use error::{BoxError, ConfigError, Error, InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintPolicy};
 pub use handler::{HandlerError, HandlerFn, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
-pub use outcome::{BrokerAction, DeadLetter, DeadLetterReason, Outcome, RetryLater, RetryReason};
+pub use outcome::{BrokerAction, Outcome, RetryLater, RetryReason};
 pub use route::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_LEN, Route};
 pub use tier::{BoxFuture, FailurePolicy, Tier};
 pub use token::Token;

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::dead_letter::{DeadLetter, DeadLetterReason};
 use crate::tier::Tier;
 
 /// What the stack decided for one envelope. Every envelope gets exactly one.
@@ -58,12 +59,22 @@ impl Outcome {
         })
     }
 
-    /// What the broker must do with the delivery.
+    /// What the broker must do with the delivery. A dead letter's reason is cloned into the
+    /// action; [`into_action`](Outcome::into_action) moves it instead.
     pub fn action(&self) -> BrokerAction {
         match self {
             Outcome::Processed | Outcome::Duplicate { .. } | Outcome::Stale { .. } => BrokerAction::Ack,
             Outcome::RetryLater(retry) => BrokerAction::Retry { delay: retry.delay },
-            Outcome::DeadLetter(_) => BrokerAction::DeadLetter,
+            Outcome::DeadLetter(dead) => BrokerAction::DeadLetter(dead.clone()),
+        }
+    }
+
+    /// What the broker must do with the delivery, taking the outcome: as
+    /// [`action`](Outcome::action), without cloning a dead letter's reason.
+    pub fn into_action(self) -> BrokerAction {
+        match self {
+            Outcome::DeadLetter(dead) => BrokerAction::DeadLetter(dead),
+            other => other.action(),
         }
     }
 
@@ -86,12 +97,18 @@ impl Outcome {
     /// True when the key is settled for good: the effect was applied now or before, or it
     /// never will be (stale). Tiers remember such keys as done.
     pub fn is_settled(&self) -> bool {
-        self.action() == BrokerAction::Ack
+        // The outcomes `action` acks, matched here so that a dead letter's detail is not
+        // cloned on every tier's check.
+        matches!(
+            self,
+            Outcome::Processed | Outcome::Duplicate { .. } | Outcome::Stale { .. }
+        )
     }
 }
 
-/// What an adapter does with a delivery, derived from its [`Outcome`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What an adapter does with a delivery, derived from its [`Outcome`]
+/// ([`Outcome::action`], [`Outcome::into_action`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BrokerAction {
     /// Acknowledge: the broker forgets the message.
     Ack,
@@ -100,8 +117,9 @@ pub enum BrokerAction {
         /// The delay a tier suggests; the adapter's own retry schedule applies when `None`.
         delay: Option<Duration>,
     },
-    /// Move the message to the dead-letter destination with the outcome's reason.
-    DeadLetter,
+    /// Move the message to the dead-letter destination with this reason, written as the
+    /// metadata of [`DeadLetter::metadata`].
+    DeadLetter(DeadLetter),
 }
 
 /// Why a delivery must come back later.
@@ -166,56 +184,6 @@ impl RetryReason {
     }
 }
 
-/// Why a delivery was dead-lettered.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeadLetter {
-    /// The reason, as a code.
-    pub reason: DeadLetterReason,
-    /// Human-readable detail, written next to the code in the dead-letter headers.
-    pub detail: String,
-}
-
-/// The machine-readable reason of a [`DeadLetter`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DeadLetterReason {
-    /// No usable business key (or entity id, or state) could be read from the delivery.
-    InvalidKey,
-    /// The delivery names a state the route's state machine does not declare.
-    UnknownState,
-    /// The business key was seen before with another payload: a key reused by mistake,
-    /// never silently dropped.
-    PayloadMismatch,
-    /// The delivery was retried the route's maximum number of times.
-    AttemptsExhausted,
-    /// The handler rejected the delivery as permanently unprocessable.
-    Rejected,
-    /// The body is larger than the route's maximum
-    /// ([`Route::with_max_body_len`](crate::Route::with_max_body_len)); it was not parsed.
-    Oversize,
-    /// The message came back unsettled the maximum number of times: each time its consumer
-    /// died or lost its connection while holding it (a message that crashes its process,
-    /// say), or the broker kept refusing its retry copy. Counted outside the stack — by the
-    /// broker (RabbitMQ's quorum queues) or by a
-    /// [delivery counter](crate::Route::with_delivery_limit) — so a crash counts too.
-    DeliveryLimit,
-}
-
-impl DeadLetterReason {
-    /// A short snake-case code, e.g. for an `x-oncely-reason` header.
-    pub fn code(self) -> &'static str {
-        match self {
-            DeadLetterReason::InvalidKey => "invalid_key",
-            DeadLetterReason::UnknownState => "unknown_state",
-            DeadLetterReason::PayloadMismatch => "payload_mismatch",
-            DeadLetterReason::AttemptsExhausted => "attempts_exhausted",
-            DeadLetterReason::Rejected => "rejected",
-            DeadLetterReason::Oversize => "oversize",
-            DeadLetterReason::DeliveryLimit => "delivery_limit",
-        }
-    }
-}
-
 impl fmt::Display for Outcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -228,12 +196,6 @@ impl fmt::Display for Outcome {
             Outcome::RetryLater(retry) => write!(f, "retry later: {retry}"),
             Outcome::DeadLetter(dead) => write!(f, "dead letter: {dead}"),
         }
-    }
-}
-
-impl fmt::Display for DeadLetter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.reason.code(), self.detail)
     }
 }
 

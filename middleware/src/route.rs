@@ -10,12 +10,13 @@ use futures_util::FutureExt;
 use tower_service::Service;
 use tracing::Instrument;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::deliveries::{DeliveryCounter, DeliveryLimit};
 use crate::envelope::{Delivery, Envelope};
 use crate::error::{BoxError, InputError};
 use crate::fingerprint::FingerprintPolicy;
 use crate::key::KeyExtractor;
-use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
+use crate::outcome::{Outcome, RetryReason};
 
 /// How many attempts a route allows unless configured otherwise; RocketMQ's default
 /// `maxReconsumeTimes` is 16 as well.

@@ -19,8 +19,11 @@
 //!
 //! The adapter is thin: it converts deliveries ([`to_delivery`]) and maps each
 //! [`oncely::Outcome`] to the broker — ack, a delayed retry through a TTL queue, or the
-//! dead-letter queue with the reason in `x-oncely-reason`. The [`Producer`] publishes with
-//! confirms and retries under the same message id.
+//! dead-letter queue with the metadata of [`oncely::dead_letter`] as headers (reason code,
+//! detail, attempts, route, source queue, message id — the schema both adapters share,
+//! tabled in the README's "Dead letters" section), plus the AMQP-only
+//! [`ORIGINAL_EXCHANGE_HEADER`] and [`ORIGINAL_ROUTING_KEY_HEADER`]. The [`Producer`]
+//! publishes with confirms and retries under the same message id.
 
 mod convert;
 mod error;
@@ -32,8 +35,8 @@ pub use convert::{ATTEMPT_HEADER, to_delivery};
 pub use error::Error;
 pub use producer::{DEFAULT_KEY_HEADER, Producer};
 pub use runner::{
-    ATTEMPTS_HEADER, DEFAULT_MAX_DELIVERIES, ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER,
-    REASON_HEADER, RETURNS_HEADER, Runner, SETTLE_RETRY_DELAY,
+    DEFAULT_MAX_DELIVERIES, ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER, RETURNS_HEADER, Runner,
+    SETTLE_RETRY_DELAY,
 };
 pub use topology::Topology;
 

@@ -13,7 +13,9 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
-use oncely::{BoxError, DeadLetterReason, Envelope, Outcome, Route};
+use oncely::{
+    BoxError, BrokerAction, DeadLetter, DeadLetterReason, Envelope, Outcome, RetryReason, Route, dead_letter,
+};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -23,13 +25,11 @@ use crate::convert::{ATTEMPT_HEADER, integer_of, to_delivery};
 use crate::error::Error;
 use crate::topology::Topology;
 
-/// Dead-letter header: the reason, `code: detail`.
-pub const REASON_HEADER: &str = "x-oncely-reason";
-/// Dead-letter header: the attempt the message was dead-lettered at.
-pub const ATTEMPTS_HEADER: &str = "x-oncely-attempts";
-/// Dead-letter and retry header: the exchange the message was first published to.
+/// Header on every copy (retry, suspect, dead letter), beside the dead-letter schema of
+/// [`oncely::dead_letter`]: the exchange the message was first published to. AMQP only.
 pub const ORIGINAL_EXCHANGE_HEADER: &str = "x-oncely-original-exchange";
-/// Dead-letter and retry header: the routing key the message was first published with.
+/// Header on every copy (retry, suspect, dead letter), beside the dead-letter schema of
+/// [`oncely::dead_letter`]: the routing key the message was first published with. AMQP only.
 pub const ORIGINAL_ROUTING_KEY_HEADER: &str = "x-oncely-original-routing-key";
 
 /// How many times a message may come back unsettled before it is dead-lettered, unless
@@ -58,7 +58,7 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// |---|---|
 /// | processed, duplicate, stale | `basic.ack` |
 /// | retry later | publishes a copy to a retry queue of the [`Topology`], waits for the broker's confirm, then acks; the copy's attempt is one more, except for a wait (in flight elsewhere, lock busy), which uses up no attempt |
-/// | dead letter | publishes a copy to the dead-letter queue with the reason headers, waits for the confirm, then acks |
+/// | dead letter | publishes a copy to the dead-letter queue with the dead-letter metadata of [`oncely::dead_letter`] as headers (source: the work queue), waits for the confirm, then acks |
 ///
 /// A delivery is acked only after the stack answered for it and, for a retry or a dead
 /// letter, only after the broker confirmed the copy. A copy the broker did not confirm (a
@@ -305,26 +305,33 @@ where
                 channel: &channel,
                 delivery: &delivery,
                 topology: &topology,
+                route: route.name(),
                 confirm_timeout,
             };
             let returns = returns(&delivery);
             let decision = match lane {
                 Lane::Work if returns > 0 => Decision::ToSuspects,
                 Lane::Suspect if returns >= max_deliveries => Decision::Answer {
-                    outcome: Outcome::dead_letter(
-                        DeadLetterReason::DeliveryLimit,
-                        format!(
+                    action: BrokerAction::DeadLetter(DeadLetter {
+                        reason: DeadLetterReason::DeliveryLimit,
+                        detail: format!(
                             "came back {returns} times without being settled: its consumer died or lost \
                              its channel, or the broker refused its retry copy, each time"
                         ),
-                    ),
+                    }),
+                    wait: false,
                     attempt: delivery_attempt(&delivery),
                 },
                 Lane::Work | Lane::Suspect => {
                     let converted = to_delivery(&delivery, topology.queue());
                     let attempt = converted.attempt();
                     let outcome = route.handle(converted).await;
-                    Decision::Answer { outcome, attempt }
+                    let wait = outcome.retry_reason().is_some_and(RetryReason::is_wait);
+                    Decision::Answer {
+                        action: outcome.into_action(),
+                        wait,
+                        attempt,
+                    }
                 }
             };
             settle.apply_until_settled(&decision).await;
@@ -336,8 +343,14 @@ where
 enum Decision {
     /// Moved to the suspect queue: it came back unsettled.
     ToSuspects,
-    /// Settled by the stack's outcome (or the delivery limit's), at `attempt`.
-    Answer { outcome: Outcome, attempt: u32 },
+    /// Settled by the action of the stack's outcome (or the delivery limit's), at `attempt`;
+    /// `wait` when the retry waits for another holder of the key or entity
+    /// ([`RetryReason::is_wait`]).
+    Answer {
+        action: BrokerAction,
+        wait: bool,
+        attempt: u32,
+    },
 }
 
 /// The pauses before settling again in place when the broker did not confirm a copy (a
@@ -394,6 +407,8 @@ struct Settle<'a> {
     channel: &'a Channel,
     delivery: &'a AmqpDelivery,
     topology: &'a Topology,
+    /// The route's name, for the dead-letter metadata.
+    route: &'a str,
     confirm_timeout: Duration,
 }
 
@@ -426,30 +441,39 @@ impl Settle<'_> {
     async fn apply(&self, decision: &Decision) -> Result<(), Error> {
         match decision {
             Decision::ToSuspects => self.to_suspects().await,
-            Decision::Answer { outcome, attempt } => self.outcome(outcome, *attempt).await,
+            Decision::Answer {
+                action,
+                wait,
+                attempt,
+            } => self.action(action, *wait, *attempt).await,
         }
     }
 
     /// Acks, or forwards a copy for a retry or a dead letter and then acks.
-    async fn outcome(&self, outcome: &Outcome, attempt: u32) -> Result<(), Error> {
-        match outcome {
-            Outcome::Processed | Outcome::Duplicate { .. } | Outcome::Stale { .. } => {
+    async fn action(&self, action: &BrokerAction, wait: bool, attempt: u32) -> Result<(), Error> {
+        match action {
+            BrokerAction::Ack => {
                 self.delivery.acker.ack(BasicAckOptions::default()).await?;
                 Ok(())
             }
-            Outcome::RetryLater(retry) => {
+            BrokerAction::Retry { delay } => {
                 // Waiting for another holder is not a failure: it keeps its attempt number.
-                let next = if retry.reason.is_wait() {
-                    attempt
-                } else {
-                    attempt.saturating_add(1)
-                };
-                let queue = self.topology.retry_queue_for(retry.delay, attempt);
-                self.forward(&queue, copy_headers(self.delivery, next, None))
-                    .await
+                let next = if wait { attempt } else { attempt.saturating_add(1) };
+                let queue = self.topology.retry_queue_for(*delay, attempt);
+                self.forward(&queue, copy_headers(self.delivery, next)).await
             }
-            Outcome::DeadLetter(dead) => {
-                let headers = copy_headers(self.delivery, attempt, Some(&dead.to_string()));
+            BrokerAction::DeadLetter(dead) => {
+                let mut headers = copy_headers(self.delivery, attempt);
+                let message_id = self.delivery.properties.message_id().as_ref();
+                let context = dead_letter::Context {
+                    route: self.route,
+                    attempts: attempt,
+                    source: self.topology.queue(),
+                    message_id: message_id.map(|id| id.as_str()),
+                };
+                for (name, value) in dead.metadata(&context) {
+                    headers.insert(name.into(), AMQPValue::LongString(value.into()));
+                }
                 self.forward(&self.topology.dead_letter_queue(), headers).await
             }
         }
@@ -457,7 +481,7 @@ impl Settle<'_> {
 
     /// Moves a delivery that came back unsettled to the suspect queue, keeping its attempt.
     async fn to_suspects(&self) -> Result<(), Error> {
-        let headers = copy_headers(self.delivery, delivery_attempt(self.delivery), None);
+        let headers = copy_headers(self.delivery, delivery_attempt(self.delivery));
         self.forward(&self.topology.suspect_queue(), headers).await
     }
 
@@ -484,9 +508,9 @@ impl Settle<'_> {
     }
 }
 
-/// The delivery's headers for its copy: the attempt number, the original exchange and
-/// routing key (kept from an earlier copy), and for a dead letter the reason.
-fn copy_headers(delivery: &AmqpDelivery, attempt: u32, reason: Option<&str>) -> FieldTable {
+/// The delivery's headers for its copy: the attempt number and the original exchange and
+/// routing key (kept from an earlier copy). A dead letter adds its metadata to them.
+fn copy_headers(delivery: &AmqpDelivery, attempt: u32) -> FieldTable {
     let returns = returns(delivery);
     let mut headers = delivery
         .properties
@@ -505,10 +529,6 @@ fn copy_headers(delivery: &AmqpDelivery, attempt: u32, reason: Option<&str>) -> 
     set(ATTEMPT_HEADER, AMQPValue::LongLongInt(i64::from(attempt)));
     if returns > 0 {
         set(RETURNS_HEADER, AMQPValue::LongLongInt(i64::from(returns)));
-    }
-    if let Some(reason) = reason {
-        set(REASON_HEADER, AMQPValue::LongString(reason.into()));
-        set(ATTEMPTS_HEADER, AMQPValue::LongLongInt(i64::from(attempt)));
     }
     if !headers.contains_key(ORIGINAL_EXCHANGE_HEADER) {
         headers.insert(

@@ -36,7 +36,9 @@
 //!
 //! The adapter is thin: it converts messages ([`to_delivery`]) and maps each
 //! [`oncely::Outcome`] to a listener status — success, the broker's retry, or a copy on a
-//! [`DeadLetterTopic`] with the reason in [`REASON_PROPERTY`] and its siblings.
+//! [`DeadLetterTopic`] with the metadata of [`oncely::dead_letter`] as user properties
+//! (reason code, detail, attempts, route, source topic, message id — the schema both adapters
+//! share, tabled in the README's "Dead letters" section).
 
 mod convert;
 mod dead_letter;
@@ -45,10 +47,7 @@ mod listener;
 mod runtime;
 
 pub use convert::to_delivery;
-pub use dead_letter::{
-    ATTEMPTS_PROPERTY, DETAIL_PROPERTY, DeadLetterTopic, MAX_DETAIL_CHARS, ORIGINAL_MESSAGE_ID_PROPERTY,
-    ORIGINAL_TOPIC_PROPERTY, REASON_PROPERTY, ROUTE_PROPERTY,
-};
+pub use dead_letter::DeadLetterTopic;
 pub use error::Error;
 pub use listener::{ConcurrentListener, OrderlyListener};
 pub use runtime::{LISTENER_CONCURRENCY, LISTENER_QUEUE_DEPTH, OwnedClientRuntime};

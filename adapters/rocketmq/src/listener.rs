@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use oncely::{BoxError, BrokerAction, Envelope, Outcome, Route};
+use oncely::{BoxError, BrokerAction, DeadLetter, Envelope, Outcome, RetryReason, Route, dead_letter};
 use rocketmq_client_rust::{
     ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus, ConsumeOrderlyContext,
     ConsumeOrderlyStatus, MessageListenerConcurrently, MessageListenerOrderly,
@@ -21,7 +21,7 @@ use crate::dead_letter::DeadLetterTopic;
 /// |---|---|
 /// | processed, duplicate, stale | `ConsumeSuccess` |
 /// | retry later | `ReconsumeLater`: the broker's retry topic brings the message back with reconsume times + 1 (after 10 s, 30 s, 1 min, … by its delay levels), and after the consumer's maxReconsumeTimes moves it to its own `%DLQ%<group>` |
-/// | dead letter | the copy goes to the [`DeadLetterTopic`] with the reason; once the broker stored it, `ConsumeSuccess`; if that send fails, `ReconsumeLater` |
+/// | dead letter | the copy goes to the [`DeadLetterTopic`] with the dead-letter metadata of [`oncely::dead_letter`] (source: the topic); once the broker stored it, `ConsumeSuccess`; if that send fails, `ReconsumeLater` |
 ///
 /// A batch (`consume_message_batch_max_size` > 1) is settled as one, as RocketMQ's status
 /// is per batch: every message of it is run, and if any needs a retry, the whole batch comes
@@ -218,38 +218,45 @@ where
         let delivery = to_delivery(message);
         let topic = delivery.source().name.clone();
         let attempt = delivery.attempt();
-        let outcome = self.route.handle(delivery).await;
+        let message_id = delivery.message_id().map(str::to_owned);
         // The route's own span already logs the outcome.
-        let route = self.route.name();
-        if let Outcome::DeadLetter(reason) = &outcome {
-            return match self
-                .dead_letters
-                .publish(message, &topic, route, attempt, reason)
-                .await
-            {
-                Ok(()) => {
-                    let dead_letter_topic = self.dead_letters.topic();
-                    tracing::warn!(route, topic, dead_letter_topic, %reason, "dead-lettered");
-                    Settled::Done
-                }
-                Err(error) => {
-                    tracing::error!(route, topic, %error, "dead letter not stored; the message will be retried");
-                    Settled::Retry { delay: None }
-                }
-            };
-        }
-        if let Some(reason) = outcome.retry_reason()
-            && reason.is_wait()
-            && let BrokerAction::Retry { delay } = outcome.action()
-        {
-            return Settled::Wait { delay };
-        }
-        match outcome.action() {
+        let outcome = self.route.handle(delivery).await;
+        let wait = outcome.retry_reason().is_some_and(RetryReason::is_wait);
+        match outcome.into_action() {
             BrokerAction::Ack => Settled::Done,
+            BrokerAction::Retry { delay } if wait => Settled::Wait { delay },
             BrokerAction::Retry { delay } => Settled::Retry { delay },
-            // Only `Outcome::DeadLetter` dead-letters, handled above; what is not settled is
-            // never acknowledged.
-            BrokerAction::DeadLetter => Settled::Retry { delay: None },
+            BrokerAction::DeadLetter(dead) => {
+                let context = dead_letter::Context {
+                    route: self.route.name(),
+                    attempts: attempt,
+                    source: &topic,
+                    message_id: message_id.as_deref(),
+                };
+                self.dead_letter(message, &dead, &context).await
+            }
+        }
+    }
+
+    /// Writes the dead letter and settles the message: acknowledged once the broker stored
+    /// the copy, retried if it did not, so a dead letter is never lost.
+    async fn dead_letter(
+        &self,
+        message: &MessageExt,
+        dead: &DeadLetter,
+        context: &dead_letter::Context<'_>,
+    ) -> Settled {
+        let (route, topic) = (context.route, context.source);
+        match self.dead_letters.publish(message, dead, context).await {
+            Ok(()) => {
+                let dead_letter_topic = self.dead_letters.topic();
+                tracing::warn!(route, topic, dead_letter_topic, reason = %dead, "dead-lettered");
+                Settled::Done
+            }
+            Err(error) => {
+                tracing::error!(route, topic, %error, "dead letter not stored; the message will be retried");
+                Settled::Retry { delay: None }
+            }
         }
     }
 }

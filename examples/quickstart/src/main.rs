@@ -385,7 +385,7 @@ async fn consume<A, B>(
         }
         match (crashed, outcome.action()) {
             (true, _) => broker.requeue(message.redelivery()),
-            (false, BrokerAction::Ack | BrokerAction::DeadLetter) => broker.settle(),
+            (false, BrokerAction::Ack | BrokerAction::DeadLetter(_)) => broker.settle(),
             (false, BrokerAction::Retry { delay }) => {
                 let broker = broker.clone();
                 tokio::spawn(async move {

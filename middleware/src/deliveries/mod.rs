@@ -42,8 +42,9 @@ pub use redis::RedisDeliveryCounter;
 pub use store::DeliveryCounter;
 use tokio::sync::RwLock;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::envelope::BusinessKey;
-use crate::outcome::{DeadLetterReason, Outcome};
+use crate::outcome::Outcome;
 
 /// How long an unsettled count is kept: longer than any redelivery takes to come back.
 const COUNT_TTL: Duration = Duration::from_secs(24 * 60 * 60);

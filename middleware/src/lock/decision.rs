@@ -6,9 +6,10 @@ use tokio::time::Instant;
 use super::layer::LockLayer;
 use super::lease::LockLease;
 use super::store::LockStore;
+use crate::dead_letter::DeadLetterReason;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
-use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
+use crate::outcome::{Outcome, RetryReason};
 use crate::tier::{Enter, FailurePolicy, Tier, TierDecision};
 use crate::token::Token;
 

@@ -1,8 +1,9 @@
 use super::layer::StateGuardLayer;
 use super::store::StateStore;
+use crate::dead_letter::DeadLetterReason;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
-use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
+use crate::outcome::{Outcome, RetryReason};
 use crate::tier::{Enter, Tier, TierDecision};
 
 /// What the state guard holds for one envelope: the transition it checked, committed after

@@ -2,10 +2,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use super::Tier;
+use crate::dead_letter::DeadLetterReason;
 use crate::envelope::{BusinessKey, Envelope};
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
-use crate::outcome::{DeadLetterReason, Outcome, RetryReason};
+use crate::outcome::{Outcome, RetryReason};
 
 /// What a tier does when its store is unreachable or answers with an error.
 ///

@@ -24,7 +24,7 @@ use oncely_rocketmq::rocketmq_client_rust::{
 };
 use oncely_rocketmq::rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
-use oncely_rocketmq::{ConcurrentListener, DeadLetterTopic, OwnedClientRuntime, REASON_PROPERTY};
+use oncely_rocketmq::{ConcurrentListener, DeadLetterTopic, OwnedClientRuntime};
 use rocketmq_points::{
     DEAD_LETTER_TOPIC, GROUP, SCHEMA, TOPIC, namesrv_addr, pool, serve_metrics, setting, start_producer,
 };
@@ -161,7 +161,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             for message in messages {
                 let reason = message
                     .properties()
-                    .get(REASON_PROPERTY)
+                    .get(oncely::dead_letter::REASON)
                     .map_or_else(|| "none".to_owned(), |reason| reason.to_string());
                 *reasons.lock().expect("not poisoned").entry(reason).or_default() += 1;
                 read.fetch_add(1, Ordering::Relaxed);

@@ -8,7 +8,7 @@ use integration_tests::amqp::{close_connections_named, connect, drain, scratch_t
 use lapin::Channel;
 use lapin::message::BasicGetMessage;
 use lapin::types::AMQPValue;
-use oncely_amqp::{Producer, REASON_HEADER, Topology};
+use oncely_amqp::{Producer, Topology};
 
 use crate::report::DeadLetters;
 
@@ -126,10 +126,10 @@ fn messages_in_queues(topology: &Topology) -> Option<u64> {
     Some(total)
 }
 
-/// A dead letter's reason header (`code: detail`).
+/// A dead letter's reason code.
 fn reason(message: &BasicGetMessage) -> Option<String> {
     let headers = message.delivery.properties.headers().as_ref()?;
-    match headers.inner().get(REASON_HEADER) {
+    match headers.inner().get(oncely::dead_letter::REASON) {
         Some(AMQPValue::LongString(text)) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
         _ => None,
     }

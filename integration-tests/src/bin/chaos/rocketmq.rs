@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use integration_tests::chaos_stack::DELIVERIES_REDIS_ENV;
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::rocketmq::{ScratchRocketMq, message, property};
-use oncely_rocketmq::REASON_PROPERTY;
 use oncely_rocketmq::rocketmq_client_rust::DefaultMQProducer;
 use oncely_rocketmq::rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
@@ -111,7 +110,7 @@ impl RocketMq {
             .iter()
             .map(|message| {
                 let body = message.body().map(|body| body.to_vec()).unwrap_or_default();
-                (property(message, REASON_PROPERTY), body)
+                (property(message, oncely::dead_letter::REASON), body)
             })
             .collect();
         DeadLetters::sort(letters.iter().map(|(reason, body)| (reason.clone(), &body[..])))
