@@ -1,4 +1,4 @@
-//! RabbitMQ adapter for [oncely](oncely), on [lapin].
+//! RabbitMQ adapter for [oncely], on [lapin].
 //!
 //! A RabbitMQ consumer today is a `basic_consume` loop that acks by hand. With this crate
 //! you keep your connection and queue, put your handler at the bottom of a route's stack,

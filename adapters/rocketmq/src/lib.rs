@@ -1,4 +1,4 @@
-//! RocketMQ adapter for [oncely](oncely), on `rocketmq-client-rust` 1.0.
+//! RocketMQ adapter for [oncely], on `rocketmq-client-rust` 1.0.
 //!
 //! A RocketMQ consumer today registers a `MessageListenerConcurrently` (or
 //! `MessageListenerOrderly`) on a `DefaultMQPushConsumer` and returns `ConsumeSuccess` or
