@@ -12,14 +12,7 @@ use oncely::state_guard::{MemoryStateStore, StateGuardLayer, StateMachine, State
 use oncely::{DeadLetterReason, KeyExtractor, Outcome, RetryReason, Route, StoreError, Tier};
 use tower::ServiceBuilder;
 
-const LIFECYCLE: [&str; 6] = [
-    "Created",
-    "Assigned",
-    "Departed",
-    "Arrived",
-    "PickedUp",
-    "Completed",
-];
+const LIFECYCLE: &str = "Created Assigned Departed Arrived PickedUp Completed";
 
 fn event(shipment: &str, state: &str) -> oncely::Delivery {
     delivery(format!(r#"{{"shipment":"{shipment}","state":"{state}"}}"#))
@@ -28,7 +21,7 @@ fn event(shipment: &str, state: &str) -> oncely::Delivery {
 fn guard<St>(store: St) -> StateGuardLayer<St> {
     StateGuardLayer::new(
         store,
-        StateMachine::forward_only(LIFECYCLE).unwrap(),
+        StateMachine::forward_only(LIFECYCLE.split(' ')).unwrap(),
         KeyExtractor::json_pointer("/shipment"),
         KeyExtractor::json_pointer("/state"),
     )
@@ -100,16 +93,11 @@ impl StateStore for FirstCommitFails {
         self.store.current(entity).await
     }
 
-    async fn compare_and_set(
-        &self,
-        entity: &str,
-        expected: Option<&str>,
-        next: &str,
-    ) -> Result<bool, StoreError> {
+    async fn compare_and_set(&self, entity: &str, from: Option<&str>, to: &str) -> Result<bool, StoreError> {
         if !self.failed.swap(true, Ordering::SeqCst) {
             return Err(StoreError::new("connection reset"));
         }
-        self.store.compare_and_set(entity, expected, next).await
+        self.store.compare_and_set(entity, from, to).await
     }
 }
 

@@ -25,17 +25,12 @@ impl StateStore for MemoryStateStore {
         Ok(self.states.lock().get(entity).cloned())
     }
 
-    async fn compare_and_set(
-        &self,
-        entity: &str,
-        expected: Option<&str>,
-        next: &str,
-    ) -> Result<bool, StoreError> {
+    async fn compare_and_set(&self, entity: &str, from: Option<&str>, to: &str) -> Result<bool, StoreError> {
         let mut states = self.states.lock();
-        if states.get(entity).map(String::as_str) != expected {
+        if states.get(entity).map(String::as_str) != from {
             return Ok(false);
         }
-        states.insert(entity.to_owned(), next.to_owned());
+        states.insert(entity.to_owned(), to.to_owned());
         Ok(true)
     }
 }

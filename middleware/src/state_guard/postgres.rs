@@ -47,18 +47,13 @@ impl StateStore for PgStateStore {
         .await
     }
 
-    async fn compare_and_set(
-        &self,
-        entity: &str,
-        expected: Option<&str>,
-        next: &str,
-    ) -> Result<bool, StoreError> {
+    async fn compare_and_set(&self, entity: &str, from: Option<&str>, to: &str) -> Result<bool, StoreError> {
         Checkout::run(&self.pool, async |client| {
-            let changed = match expected {
-                None => client.execute(&self.statements.insert, &[&entity, &next]).await?,
-                Some(expected) => {
+            let changed = match from {
+                None => client.execute(&self.statements.insert, &[&entity, &to]).await?,
+                Some(from) => {
                     client
-                        .execute(&self.statements.update, &[&entity, &expected, &next])
+                        .execute(&self.statements.update, &[&entity, &from, &to])
                         .await?
                 }
             };

@@ -119,41 +119,36 @@ pub async fn fingerprint_policies_are_applied<S>(
     let sent = |id: &str, sku: &str, at: u32| {
         delivery(format!(r#"{{"orderId":"{id}","sku":"{sku}","sentAt":{at}}}"#))
     };
-    let duplicate = Outcome::Duplicate { tier };
-
-    let whole = route(FingerprintPolicy::whole_body());
-    assert_eq!(whole.handle(sent("o-1", "A", 1)).await, Outcome::Processed);
-    assert_eq!(whole.handle(sent("o-1", "A", 1)).await, duplicate);
-    assert_eq!(
-        whole.handle(sent("o-1", "A", 2)).await.dead_letter_reason(),
-        Some(DeadLetterReason::PayloadMismatch),
-        "whole body: a new sentAt is another payload"
-    );
-
-    let fields = route(FingerprintPolicy::fields(["/orderId", "/sku"]).unwrap());
-    assert_eq!(fields.handle(sent("o-2", "A", 1)).await, Outcome::Processed);
-    assert_eq!(
-        fields.handle(sent("o-2", "A", 2)).await,
-        duplicate,
-        "fields: sentAt is not compared"
-    );
-    assert_eq!(
-        fields.handle(sent("o-2", "B", 3)).await.dead_letter_reason(),
-        Some(DeadLetterReason::PayloadMismatch),
-        "fields: another sku is another payload"
-    );
-
-    let off = route(FingerprintPolicy::off());
-    assert_eq!(off.handle(sent("o-4", "A", 1)).await, Outcome::Processed);
-    assert_eq!(
-        off.handle(sent("o-4", "B", 2)).await,
-        duplicate,
-        "off: any payload of a done key"
-    );
-    assert_eq!(
-        (effects.of("o-1"), effects.of("o-2"), effects.of("o-4")),
-        (1, 1, 1)
-    );
+    // Per policy: a key first sent as sku A at time 1, then a copy that is the same payload
+    // under the policy, then one that is not (if any).
+    let cases = [
+        (FingerprintPolicy::whole_body(), "o-1", ("A", 1), Some(("A", 2))),
+        (
+            FingerprintPolicy::fields(["/orderId", "/sku"]).unwrap(),
+            "o-2",
+            ("A", 2),
+            Some(("B", 3)),
+        ),
+        (FingerprintPolicy::off(), "o-3", ("B", 2), None),
+    ];
+    for (policy, id, (same_sku, same_at), other) in cases {
+        let route = route(policy);
+        assert_eq!(route.handle(sent(id, "A", 1)).await, Outcome::Processed);
+        assert_eq!(
+            route.handle(sent(id, same_sku, same_at)).await,
+            Outcome::Duplicate { tier },
+            "{id}"
+        );
+        if let Some((sku, at)) = other {
+            let reused = route.handle(sent(id, sku, at)).await;
+            assert_eq!(
+                reused.dead_letter_reason(),
+                Some(DeadLetterReason::PayloadMismatch),
+                "{id}"
+            );
+        }
+        assert_eq!(effects.of(id), 1, "{id}");
+    }
 }
 
 /// A stack as the tests' routes hold it.
