@@ -93,7 +93,23 @@ pub struct Delivery {
     attempt: u32,
     redelivered: bool,
     source: Source,
-    json: OnceLock<Result<Value, Arc<serde_json::Error>>>,
+    json: ParsedBody,
+}
+
+/// The body's one JSON parse, once a reader asked for it. Its `Debug` says only whether it
+/// happened: the body itself is already in the delivery's.
+#[derive(Clone, Default)]
+struct ParsedBody(OnceLock<Result<Value, Arc<serde_json::Error>>>);
+
+impl fmt::Debug for ParsedBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.0.get() {
+            None => "not parsed",
+            Some(Ok(_)) => "parsed",
+            Some(Err(_)) => "not JSON",
+        };
+        f.write_str(state)
+    }
 }
 
 impl Delivery {
@@ -109,7 +125,7 @@ impl Delivery {
             attempt: 1,
             redelivered: false,
             source,
-            json: OnceLock::new(),
+            json: ParsedBody::default(),
         }
     }
 
@@ -207,6 +223,7 @@ impl Delivery {
     /// [`InputError::BodyNotJson`], every time.
     pub fn json(&self) -> Result<&Value, InputError> {
         self.json
+            .0
             .get_or_init(|| serde_json::from_slice(&self.body).map_err(Arc::new))
             .as_ref()
             .map_err(|source| InputError::BodyNotJson {
