@@ -22,8 +22,10 @@
 //! connection was just terminated) is not fired.
 
 use std::convert::Infallible;
+use std::fmt;
 use std::hash::{BuildHasher, RandomState};
 use std::process::Command;
+use std::str::FromStr;
 use std::time::Duration;
 
 use deadpool_postgres::{Client, Pool};
@@ -35,6 +37,7 @@ use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
 use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
+use tower::layer::util::{Identity, Stack};
 use tower::timeout::TimeoutLayer;
 
 use crate::postgres::schema_pool;
@@ -284,6 +287,59 @@ fn kill_this_process() -> ! {
     std::process::abort()
 }
 
+/// The stack of the chaos run's RabbitMQ consumers (`chaos --stack`, and `amqp_consumer`'s
+/// STACK argument, with or without [`FAULTS_ENV`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChaosStack {
+    /// The Redis flag, the Redis lock and the PostgreSQL record: [`chaos_orders_route`].
+    Full,
+    /// The Redis flag alone, for comparison: [`chaos_flag_only_route`].
+    FlagOnly,
+}
+
+impl ChaosStack {
+    /// Every stack.
+    pub const ALL: [ChaosStack; 2] = [ChaosStack::Full, ChaosStack::FlagOnly];
+
+    /// The stack as command lines name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ChaosStack::Full => "full",
+            ChaosStack::FlagOnly => "flag-only",
+        }
+    }
+}
+
+impl FromStr for ChaosStack {
+    type Err = String;
+
+    /// The stack named `name` ([`ChaosStack::name`]).
+    fn from_str(name: &str) -> Result<Self, String> {
+        let known = || ChaosStack::ALL.map(ChaosStack::name).join(" or ");
+        (ChaosStack::ALL.into_iter())
+            .find(|stack| stack.name() == name)
+            .ok_or_else(|| format!("unknown stack {name:?}: {}", known()))
+    }
+}
+
+impl fmt::Display for ChaosStack {
+    fn fmt(&self, out: &mut fmt::Formatter<'_>) -> fmt::Result {
+        out.write_str(self.name())
+    }
+}
+
+/// What every chaos route runs: a cloneable stack whose errors are boxed (the timeout's),
+/// as the adapters take it. One name for the bound the three route functions return.
+pub trait ChaosService:
+    tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send> + Clone + Send + Sync
+{
+}
+
+impl<S> ChaosService for S where
+    S: tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send> + Clone + Send + Sync
+{
+}
+
 /// The full stack of the chaos run: a `tower::timeout` outermost, then the Redis flag, the
 /// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode, to the
 /// chaos handler writing in the record's transaction. Keyed by the body's `/orderId`.
@@ -294,21 +350,8 @@ pub fn chaos_orders_route(
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + use<>,
-> {
-    let handler = ChaosHandler {
-        effects: Effects::InRecordTransaction,
-        faults,
-    };
-    let stack = ServiceBuilder::new()
-        // Outermost, so a timeout drops the whole stack's future mid-transaction.
-        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
-        .layer(chaos_flag(redis.clone(), prefix))
+) -> Route<impl ChaosService + use<>> {
+    let stack = timeout_and_flag(redis.clone(), prefix)
         .layer(
             LockLayer::new(
                 RedisLockStore::new(redis).with_prefix(prefix),
@@ -318,7 +361,7 @@ pub fn chaos_orders_route(
             .with_busy_delay(Duration::from_millis(100)),
         )
         .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler_service(handler));
+        .service(handler_service(Effects::InRecordTransaction, faults));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
@@ -336,23 +379,10 @@ pub fn chaos_points_route(
     deliveries: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + use<>,
-> {
-    let handler = ChaosHandler {
-        effects: Effects::InRecordTransaction,
-        faults,
-    };
-    let stack = ServiceBuilder::new()
-        // Outermost, so a timeout drops the whole stack's future mid-transaction.
-        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
-        .layer(chaos_flag(redis, prefix))
+) -> Route<impl ChaosService + use<>> {
+    let stack = timeout_and_flag(redis, prefix)
         .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler_service(handler));
+        .service(handler_service(Effects::InRecordTransaction, faults));
     Route::new(
         "credit_points",
         KeyExtractor::broker_key().with_namespace("credit_points"),
@@ -372,39 +402,41 @@ pub fn chaos_flag_only_route(
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + use<>,
-> {
-    let handler = ChaosHandler {
-        effects: Effects::Autocommit(pool),
-        faults,
-    };
-    let stack = ServiceBuilder::new()
-        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
-        .layer(chaos_flag(redis, prefix))
-        .service(handler_service(handler));
+) -> Route<impl ChaosService + use<>> {
+    let stack = timeout_and_flag(redis, prefix).service(handler_service(Effects::Autocommit(pool), faults));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
+/// The chaos handler writing its effect as `effects` says, with `faults`.
 fn handler_service(
-    handler: ChaosHandler,
+    effects: Effects,
+    faults: HandlerFaults,
 ) -> impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
 + Clone
 + Send
 + Sync
 + oncely::record::TransactionSafe {
+    let handler = ChaosHandler { effects, faults };
     handler_fn(move |envelope: Envelope| handler.clone().handle(envelope))
 }
 
-fn chaos_flag(redis: ConnectionManager, prefix: &str) -> FlagLayer<RedisFlagStore<ConnectionManager>> {
-    FlagLayer::new(
+/// The Redis flag of every chaos stack.
+type ChaosFlag = FlagLayer<RedisFlagStore<ConnectionManager>>;
+
+/// The front of every chaos stack: the `tower::timeout` outermost, so that a timeout drops
+/// the whole stack's future (mid-transaction, where the stack has a record), then the Redis
+/// flag on `redis`, its keys starting with `prefix`.
+fn timeout_and_flag(
+    redis: ConnectionManager,
+    prefix: &str,
+) -> ServiceBuilder<Stack<ChaosFlag, Stack<TimeoutLayer, Identity>>> {
+    let flag = FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix(prefix),
         Duration::from_secs(600),
     )
     .with_lease(LEASE)
-    .with_in_flight_delay(Duration::from_millis(100))
+    .with_in_flight_delay(Duration::from_millis(100));
+    ServiceBuilder::new()
+        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
+        .layer(flag)
 }

@@ -13,7 +13,7 @@
 //! statement, and poison messages that SIGKILL this process.
 
 use integration_tests::amqp::{amqp_addr, flag_only_orders_route, orders_route, test_topology};
-use integration_tests::chaos_stack::{HandlerFaults, chaos_flag_only_route, chaos_orders_route};
+use integration_tests::chaos_stack::{ChaosStack, HandlerFaults, chaos_flag_only_route, chaos_orders_route};
 use integration_tests::postgres::schema_pool;
 use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
 use lapin::{Connection, ConnectionProperties};
@@ -58,7 +58,7 @@ async fn main() {
             queue,
             schema,
             prefix,
-            rest.first().map_or("full", String::as_str),
+            rest.first().map_or(Ok(ChaosStack::Full), |stack| stack.parse()),
             rest.get(1).map_or("oncely-amqp-consumer", String::as_str),
         ),
         _ => {
@@ -66,22 +66,24 @@ async fn main() {
             std::process::exit(2);
         }
     };
+    let stack = stack.unwrap_or_else(|problem| {
+        eprintln!("{problem}");
+        std::process::exit(2);
+    });
     let redis = redis_connection(&redis_url()).await;
     let pool = schema_pool(schema, 8);
     let records = || Table::new(schema, "consumption_record").expect("a valid schema");
     match (stack, HandlerFaults::from_env(schema)) {
-        ("full", None) => consume(orders_route(pool, records(), redis, prefix), queue, name).await,
-        ("full", Some(faults)) => {
+        (ChaosStack::Full, None) => consume(orders_route(pool, records(), redis, prefix), queue, name).await,
+        (ChaosStack::Full, Some(faults)) => {
             let route = chaos_orders_route(pool, records(), redis, prefix, faults);
             consume(route, queue, name).await;
         }
-        ("flag-only", None) => consume(flag_only_orders_route(pool, redis, prefix), queue, name).await,
-        ("flag-only", Some(faults)) => {
-            consume(chaos_flag_only_route(pool, redis, prefix, faults), queue, name).await;
+        (ChaosStack::FlagOnly, None) => {
+            consume(flag_only_orders_route(pool, redis, prefix), queue, name).await;
         }
-        (other, _) => {
-            eprintln!("unknown stack {other:?}: full or flag-only");
-            std::process::exit(2);
+        (ChaosStack::FlagOnly, Some(faults)) => {
+            consume(chaos_flag_only_route(pool, redis, prefix, faults), queue, name).await;
         }
     }
 }

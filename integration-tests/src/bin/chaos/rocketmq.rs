@@ -22,7 +22,7 @@ use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::rocketmq_model::common::message::{MessageConst, MessageTrait};
 use oncely_rocketmq::rocketmq_model::result::SendStatus;
 
-use crate::report::DeadLetters;
+use crate::dead_letters::{DeadLetters, reason_code};
 
 /// The broker's port, as `integration-tests/services.sh` starts it.
 const BROKER_PORT: u16 = 10911;
@@ -106,14 +106,14 @@ impl RocketMq {
     /// The dead letters read so far, sorted.
     pub(crate) fn dead_letters(&self) -> DeadLetters {
         let messages = self.dead_letters.lock().expect("not poisoned");
-        let letters: Vec<(Option<String>, Vec<u8>)> = messages
+        let letters: Vec<(String, Vec<u8>)> = messages
             .iter()
             .map(|message| {
                 let body = message.body().map(|body| body.to_vec()).unwrap_or_default();
-                (property(message, oncely::dead_letter::REASON), body)
+                (reason_code(|name| property(message, name)), body)
             })
             .collect();
-        DeadLetters::sort(letters.iter().map(|(reason, body)| (reason.clone(), &body[..])))
+        DeadLetters::sort(letters.iter().map(|(code, body)| (code.clone(), &body[..])))
     }
 
     /// True once every poison message is dead-lettered.
