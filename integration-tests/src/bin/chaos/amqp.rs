@@ -5,12 +5,14 @@
 use std::process::Command;
 
 use integration_tests::amqp::{close_connections_named, connect, drain, scratch_topology};
+use integration_tests::chaos_stack::ChaosStack;
 use lapin::Channel;
 use lapin::message::BasicGetMessage;
 use lapin::types::AMQPValue;
-use oncely_amqp::{Producer, REASON_HEADER, Topology};
+use oncely_amqp::{Producer, Topology};
 
-use crate::report::DeadLetters;
+use crate::dead_letters::{DeadLetters, reason_code};
+use crate::options::BrokerKind;
 
 /// The run's queues, and a channel of the run's own to them.
 pub(crate) struct Amqp {
@@ -34,8 +36,14 @@ impl Amqp {
 
     /// The arguments of `amqp_consumer`: the run's queue, its schema and Redis prefix, the
     /// stack, and the name of its connections.
-    pub(crate) fn consumer_args(&self, schema: &str, prefix: &str, stack: &str, name: &str) -> Vec<String> {
-        [self.topology.queue(), schema, prefix, stack, name]
+    pub(crate) fn consumer_args(
+        &self,
+        schema: &str,
+        prefix: &str,
+        stack: ChaosStack,
+        name: &str,
+    ) -> Vec<String> {
+        [self.topology.queue(), schema, prefix, stack.name(), name]
             .map(str::to_owned)
             .to_vec()
     }
@@ -62,11 +70,10 @@ impl Amqp {
     /// Takes every message from the dead-letter queue and sorts it, then deletes the queues.
     pub(crate) async fn finish(self) -> DeadLetters {
         let messages = drain(&self.channel, &self.topology.dead_letter_queue()).await;
-        let dead = DeadLetters::sort(
-            messages
-                .iter()
-                .map(|message| (reason(message), &message.delivery.data[..])),
-        );
+        let dead = DeadLetters::sort(messages.iter().map(|message| {
+            let code = reason_code(BrokerKind::Amqp, |name| header(message, name));
+            (code, &message.delivery.data[..])
+        }));
         self.topology
             .delete(&self.channel)
             .await
@@ -126,10 +133,10 @@ fn messages_in_queues(topology: &Topology) -> Option<u64> {
     Some(total)
 }
 
-/// A dead letter's reason header (`code: detail`).
-fn reason(message: &BasicGetMessage) -> Option<String> {
+/// A message's header `name`, if it is text.
+fn header(message: &BasicGetMessage, name: &str) -> Option<String> {
     let headers = message.delivery.properties.headers().as_ref()?;
-    match headers.inner().get(REASON_HEADER) {
+    match headers.inner().get(name) {
         Some(AMQPValue::LongString(text)) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
         _ => None,
     }

@@ -1,87 +1,20 @@
-//! What the chaos run reads back at the end — the business table against the ledger, the
-//! throughput windows, the dead letters — and the table and verdict it prints.
+//! What a chaos run ends with — the business table against the ledger, the throughput
+//! windows, the dead letters, the faults — and the table and verdict it prints.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use integration_tests::chaos_stack::{DELIVERY_LIMIT as ROUTE_DELIVERY_LIMIT, HANDLER_TIMEOUT, HandlerFault};
+use integration_tests::chaos_stack::{
+    ChaosStack, DELIVERY_LIMIT as ROUTE_DELIVERY_LIMIT, HANDLER_TIMEOUT, HandlerFault,
+};
 use integration_tests::thousands;
 
-use crate::{BrokerKind, DELIVERY_LIMIT, Fault, Options, WINDOW_SECONDS};
-
-/// The business table against the publisher's ledger, per order key.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Ledger {
-    /// First parts written: one per effect applied.
-    pub(crate) effects: i64,
-    /// Keys with at least one part.
-    pub(crate) applied_keys: i64,
-    /// Keys with either part written more than once.
-    pub(crate) doubled: i64,
-    /// Keys with more of one part than of the other: an effect applied in half.
-    pub(crate) partial: i64,
-}
-
-/// Effects applied per throughput window between the first handler panic and the last
-/// message sent; none without a panic, or with less than a window between the two.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Throughput {
-    pub(crate) windows: Vec<i64>,
-    /// Windows left out: they overlap a RocketMQ broker restart's client lockout.
-    pub(crate) locked_out: usize,
-}
-
-impl Throughput {
-    /// The fewest effects applied in one window.
-    fn lowest(&self) -> Option<i64> {
-        self.windows.iter().copied().min()
-    }
-}
-
-/// What the dead-letter queue or topic held at the end.
-#[derive(Debug, Default)]
-pub(crate) struct DeadLetters {
-    by_code: BTreeMap<String, u64>,
-    /// Poison keys dead-lettered with [`DELIVERY_LIMIT`].
-    pub(crate) poison_at_limit: BTreeSet<String>,
-    /// Orders dead-lettered (a copy given up; its key may still have been applied by
-    /// another), with their reason codes.
-    orders: BTreeSet<(String, String)>,
-}
-
-impl DeadLetters {
-    /// Sorts dead letters, each given as its reason (`code` or `code: detail`, read as text
-    /// so the run does not depend on the middleware's reason types) and its body.
-    pub(crate) fn sort<'a>(letters: impl IntoIterator<Item = (Option<String>, &'a [u8])>) -> Self {
-        let mut dead = DeadLetters::default();
-        for (reason, body) in letters {
-            let code = match reason {
-                Some(reason) => reason.split(':').next().unwrap_or_default().to_owned(),
-                None => "no reason".into(),
-            };
-            match order_key(body) {
-                Some((key, true)) if code == DELIVERY_LIMIT => {
-                    dead.poison_at_limit.insert(key);
-                }
-                Some((key, false)) => {
-                    dead.orders.insert((key, code.clone()));
-                }
-                _ => {}
-            }
-            *dead.by_code.entry(code).or_default() += 1;
-        }
-        dead
-    }
-}
-
-/// The key of a dead letter, read from its body, and whether it is a poison message.
-fn order_key(body: &[u8]) -> Option<(String, bool)> {
-    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let poison = body.pointer("/poison").and_then(|poison| poison.as_bool()) == Some(true);
-    Some((body.pointer("/orderId")?.as_str()?.to_owned(), poison))
-}
+use crate::dead_letters::{DELIVERY_LIMIT, DeadLetters};
+use crate::faults::Fault;
+use crate::options::{BrokerKind, Options};
+use crate::tables::{Ledger, Throughput, WINDOW_SECONDS};
 
 /// The run's outcome against the ledger, and the faults it went through.
 pub(crate) struct Report {
@@ -234,27 +167,17 @@ impl Report {
     /// The broker and the stack the run went through.
     fn title(&self) -> String {
         let timeout = HANDLER_TIMEOUT.as_secs_f64();
-        match (self.options.broker, self.options.stack.as_str()) {
-            (BrokerKind::Amqp, "full") => format!(
+        match (self.options.broker, self.options.stack) {
+            (BrokerKind::Amqp, ChaosStack::Full) => format!(
                 "RabbitMQ, full stack: tower timeout ({timeout} s), Redis flag, Redis lock, PostgreSQL record (transactional)"
             ),
-            (BrokerKind::Amqp, _) => format!(
+            (BrokerKind::Amqp, ChaosStack::FlagOnly) => format!(
                 "RabbitMQ, flag only: tower timeout ({timeout} s), Redis flag, handler writes on its own"
             ),
             (BrokerKind::RocketMq, _) => format!(
                 "RocketMQ, rocketmq-points stack: delivery limit {ROUTE_DELIVERY_LIMIT} (Redis), tower timeout ({timeout} s), Redis flag, PostgreSQL record (transactional)"
             ),
         }
-    }
-
-    pub(crate) fn table(&self) -> String {
-        let mut table = String::new();
-        let _ = writeln!(table, "\nchaos run — {}\n", self.title());
-        let _ = writeln!(table, "| measure | value |\n|---|---|");
-        for (measure, value) in self.rows() {
-            let _ = writeln!(table, "| {measure} | {value} |");
-        }
-        table
     }
 
     /// Every broken promise of the run, and every fault kind asked for that never took
@@ -311,6 +234,8 @@ impl Report {
         problems
     }
 
+    /// Prints PASS or FAIL with every problem, and the exit status that goes with it
+    /// (success whatever the problems with `--report-only`).
     pub(crate) fn verdict(&self) -> ExitCode {
         let problems = self.problems();
         if problems.is_empty() {
@@ -323,5 +248,17 @@ impl Report {
             println!("FAIL: {}", problems.join(", "));
             ExitCode::FAILURE
         }
+    }
+}
+
+impl fmt::Display for Report {
+    /// The run as a Markdown table, under a title naming the broker and the stack.
+    fn fmt(&self, out: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(out, "\nchaos run — {}\n", self.title())?;
+        writeln!(out, "| measure | value |\n|---|---|")?;
+        for (measure, value) in self.rows() {
+            writeln!(out, "| {measure} | {value} |")?;
+        }
+        Ok(())
     }
 }

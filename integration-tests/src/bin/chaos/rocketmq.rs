@@ -16,14 +16,14 @@ use std::time::{Duration, Instant};
 use integration_tests::chaos_stack::DELIVERIES_REDIS_ENV;
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::rocketmq::{ScratchRocketMq, message, property};
-use oncely_rocketmq::REASON_PROPERTY;
 use oncely_rocketmq::rocketmq_client_rust::DefaultMQProducer;
 use oncely_rocketmq::rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::rocketmq_model::common::message::{MessageConst, MessageTrait};
 use oncely_rocketmq::rocketmq_model::result::SendStatus;
 
-use crate::report::DeadLetters;
+use crate::dead_letters::{DeadLetters, reason_code};
+use crate::options::BrokerKind;
 
 /// The broker's port, as `integration-tests/services.sh` starts it.
 const BROKER_PORT: u16 = 10911;
@@ -107,14 +107,17 @@ impl RocketMq {
     /// The dead letters read so far, sorted.
     pub(crate) fn dead_letters(&self) -> DeadLetters {
         let messages = self.dead_letters.lock().expect("not poisoned");
-        let letters: Vec<(Option<String>, Vec<u8>)> = messages
+        let letters: Vec<(String, Vec<u8>)> = messages
             .iter()
             .map(|message| {
                 let body = message.body().map(|body| body.to_vec()).unwrap_or_default();
-                (property(message, REASON_PROPERTY), body)
+                (
+                    reason_code(BrokerKind::RocketMq, |name| property(message, name)),
+                    body,
+                )
             })
             .collect();
-        DeadLetters::sort(letters.iter().map(|(reason, body)| (reason.clone(), &body[..])))
+        DeadLetters::sort(letters.iter().map(|(code, body)| (code.clone(), &body[..])))
     }
 
     /// True once every poison message is dead-lettered.
