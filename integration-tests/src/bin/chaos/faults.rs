@@ -57,8 +57,8 @@ impl Fault {
 
 /// When the outside faults come: the broker's faults in turn, one every `--fault-every-ms`,
 /// except the broker restart, which comes on its own period. A restarted RocketMQ broker
-/// locks its clients out for [`CLIENT_LOCKOUT`](crate::rocketmq::CLIENT_LOCKOUT), so restarts in the rotation would
-/// keep them locked out nearly all the time.
+/// locks its clients out for [`CLIENT_LOCKOUT`](crate::rocketmq::CLIENT_LOCKOUT), so
+/// restarts in the rotation would keep them locked out nearly all the time.
 pub(crate) struct Schedule {
     rotation: Vec<Fault>,
     turn: usize,

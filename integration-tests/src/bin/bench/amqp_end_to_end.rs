@@ -1,0 +1,304 @@
+//! `amqp`: end-to-end messages per second through the RabbitMQ runner with no tiers, with
+//! the Redis flag, and with the flag and the PostgreSQL record (transactional), next to a raw
+//! lapin consumer with the same prefetch that acks each message from its own task.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use deadpool_postgres::Pool;
+use futures_lite::StreamExt;
+use integration_tests::amqp::{connect, ready_messages, scratch_topology};
+use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
+use integration_tests::redis_server::ScratchRedis;
+use integration_tests::{redis_connection, unique};
+use lapin::Channel;
+use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::record::{PgTransactionalLayer, TransactionSafe};
+use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, Token, handler_fn};
+use oncely_amqp::{Runner, Topology};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceBuilder;
+
+use crate::measure::median;
+use crate::report::{Plot, Report, Row, Section, Target};
+
+/// Messages per measurement, published before the clock starts.
+const MESSAGES: usize = 10_000;
+/// Prefetch, and so messages in flight, of every consumer measured.
+const PREFETCH: u16 = 64;
+/// Each consumer is measured this many times, in turn with the others; the median is kept.
+const ROUNDS: usize = 3;
+
+/// The consumer a measurement drains its queue with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Consumer {
+    /// The baseline: a plain lapin loop.
+    RawLapin,
+    /// The runner with a handler and no tier.
+    Runner,
+    /// The runner with the Redis flag in front of the handler.
+    RunnerFlag,
+    /// The runner with the Redis flag and the PostgreSQL record (transactional), the handler
+    /// writing a row in the record's transaction.
+    RunnerFlagRecord,
+}
+
+impl Consumer {
+    /// Every consumer, the baseline first: the order they take turns in.
+    const ALL: [Consumer; 4] = [
+        Consumer::RawLapin,
+        Consumer::Runner,
+        Consumer::RunnerFlag,
+        Consumer::RunnerFlagRecord,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Consumer::RawLapin => "raw lapin consumer",
+            Consumer::Runner => "runner, no tiers",
+            Consumer::RunnerFlag => "runner, Redis flag",
+            Consumer::RunnerFlagRecord => "runner, Redis flag + PostgreSQL record",
+        }
+    }
+
+    /// Messages per second draining a fresh queue of [`MESSAGES`] through this consumer.
+    async fn measure(self, services: &Services) -> f64 {
+        let topology = scratch_topology("bench");
+        fill(&services.channel, &topology).await;
+        let handled = Arc::new(AtomicU64::new(0));
+        let rate = match self {
+            Consumer::RawLapin => raw_consumer(&services.channel, topology.queue()).await,
+            Consumer::Runner => {
+                let route = Route::new("bench", key(), handler(handled.clone(), Effect::None));
+                runner_consumer(&services.channel, &topology, route, handled).await
+            }
+            Consumer::RunnerFlag => {
+                let stack = ServiceBuilder::new()
+                    .layer(services.flag().await)
+                    .service(handler(handled.clone(), Effect::None));
+                let route = Route::new("bench", key(), stack);
+                runner_consumer(&services.channel, &topology, route, handled).await
+            }
+            Consumer::RunnerFlagRecord => {
+                let stack = ServiceBuilder::new()
+                    .layer(services.flag().await)
+                    .layer(PgTransactionalLayer::new(
+                        services.schema_pool.clone(),
+                        services.schema.records(),
+                    ))
+                    .service(handler(handled.clone(), Effect::StockMove));
+                let route = Route::new("bench", key(), stack);
+                runner_consumer(&services.channel, &topology, route, handled).await
+            }
+        };
+        topology
+            .delete(&services.channel)
+            .await
+            .expect("delete the bench queues");
+        rate
+    }
+}
+
+/// What the measurements share: a channel to RabbitMQ, a Redis of the bench's own, and a
+/// schema of its own with the handler's table.
+struct Services {
+    /// Held for the channel's sake.
+    _connection: lapin::Connection,
+    channel: Channel,
+    redis: ScratchRedis,
+    schema: ScratchSchema,
+    /// Connections that search the schema first.
+    schema_pool: Pool,
+}
+
+impl Services {
+    async fn start() -> Self {
+        let connection = connect().await.expect("RabbitMQ");
+        let channel = connection.create_channel().await.expect("a channel");
+        let redis = ScratchRedis::start();
+        let schema = ScratchSchema::new(&pool(16)).await;
+        let schema_pool = schema_pool(schema.name(), 16);
+        schema
+            .execute("CREATE TABLE stock_moves (order_id TEXT NOT NULL)")
+            .await;
+        Services {
+            _connection: connection,
+            channel,
+            redis,
+            schema,
+            schema_pool,
+        }
+    }
+
+    /// A Redis flag with a prefix of its own, so that no measurement sees another's keys.
+    async fn flag(&self) -> FlagLayer<RedisFlagStore<redis::aio::ConnectionManager>> {
+        let flags =
+            RedisFlagStore::new(redis_connection(&self.redis.url()).await).with_prefix(unique("bench"));
+        FlagLayer::new(flags, Duration::from_secs(600))
+    }
+}
+
+/// Every measured consumer against the raw one, each the median of [`ROUNDS`] taking turns;
+/// adds the table and the flag's target to `report`.
+pub(crate) async fn run(report: &mut Report) {
+    let services = Services::start().await;
+    let mut rates = Consumer::ALL.map(|_| Vec::new());
+    for _ in 0..ROUNDS {
+        for (consumer, rates) in Consumer::ALL.iter().zip(&mut rates) {
+            rates.push(consumer.measure(&services).await);
+        }
+    }
+    let [raw, measured @ ..] = rates.map(median);
+    let rows: Vec<Row> = Consumer::ALL[1..]
+        .iter()
+        .zip(measured)
+        .map(|(consumer, per_second)| Row {
+            what: consumer.name().into(),
+            in_flight: usize::from(PREFETCH),
+            per_second,
+            baseline: raw,
+        })
+        .collect();
+    report.add_target(Target {
+        what: "RabbitMQ runner with the Redis flag",
+        ratio: Row::last_ratio(&rows, Consumer::RunnerFlag.name()),
+        baseline: "a raw lapin consumer",
+        at_least: 0.70,
+    });
+    report.add(Section {
+        title: format!("RabbitMQ end to end ({MESSAGES} messages, prefetch {PREFETCH})"),
+        baseline_name: Consumer::RawLapin.name(),
+        unit: Some("messages"),
+        rows,
+        note: None,
+        plot: Plot::Bars,
+    });
+}
+
+/// The key of every bench message: its order id.
+fn key() -> KeyExtractor {
+    KeyExtractor::json_pointer("/orderId")
+}
+
+/// What the handler does besides counting the delivery.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Effect {
+    /// Nothing: the stack's cost alone.
+    None,
+    /// A stock move written in the record's transaction.
+    StockMove,
+}
+
+/// The bench's handler: `effect`, then the delivery counted in `handled`, which tells the
+/// measurement when the queue is done.
+fn handler(
+    handled: Arc<AtomicU64>,
+    effect: Effect,
+) -> impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
++ Clone
++ Send
++ Sync
++ TransactionSafe {
+    handler_fn(move |envelope: Envelope| {
+        let handled = handled.clone();
+        async move {
+            if effect == Effect::StockMove {
+                insert_stock_move(&envelope).await?;
+            }
+            handled.fetch_add(1, Ordering::Relaxed);
+            Ok::<(), HandlerError>(())
+        }
+    })
+}
+
+/// Fills a fresh queue of `topology` with [`MESSAGES`] orders never seen before
+/// (unconfirmed publishes, then a wait until the broker counts them all).
+async fn fill(channel: &Channel, topology: &Topology) {
+    topology.declare(channel).await.expect("declare");
+    let batch = Token::random();
+    for n in 0..MESSAGES {
+        let body = format!(r#"{{"orderId":"{batch}-{n}"}}"#);
+        // Unconfirmed on purpose: filling is not measured, and the wait below counts what
+        // the broker stored.
+        drop(
+            channel
+                .basic_publish(
+                    "".into(),
+                    topology.queue().into(),
+                    Default::default(),
+                    body.as_bytes(),
+                    Default::default(),
+                )
+                .await
+                .expect("publish"),
+        );
+    }
+    while (ready_messages(channel, topology.queue()).await as usize) < MESSAGES {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Consumes a full queue with a plain lapin loop that acks every delivery from its own task.
+async fn raw_consumer(channel: &Channel, queue: &str) -> f64 {
+    channel
+        .basic_qos(PREFETCH, Default::default())
+        .await
+        .expect("qos");
+    let mut consumer = channel
+        .basic_consume(queue.into(), "raw".into(), Default::default(), Default::default())
+        .await
+        .expect("consume");
+    let acked = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut received = 0;
+    while received < MESSAGES {
+        let delivery = consumer.next().await.expect("a delivery").expect("a delivery");
+        received += 1;
+        let acked = acked.clone();
+        tokio::spawn(async move {
+            delivery.acker.ack(Default::default()).await.expect("ack");
+            acked.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+    while (acked.load(Ordering::Relaxed) as usize) < MESSAGES {
+        tokio::task::yield_now().await;
+    }
+    let rate = MESSAGES as f64 / started.elapsed().as_secs_f64();
+    let _ = channel.basic_cancel("raw".into(), Default::default()).await;
+    rate
+}
+
+/// Consumes a full queue through a runner of `route`, counting settled deliveries with the
+/// handler's own counter.
+async fn runner_consumer<S>(
+    channel: &Channel,
+    topology: &Topology,
+    route: Route<S>,
+    handled: Arc<AtomicU64>,
+) -> f64
+where
+    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    let shutdown = CancellationToken::new();
+    let runner = Runner::new(route, topology.clone())
+        .with_prefetch(PREFETCH)
+        .with_concurrency(PREFETCH.into());
+    let started = Instant::now();
+    let running = {
+        let (channel, shutdown) = (channel.clone(), shutdown.clone());
+        tokio::spawn(async move { runner.run(&channel, &shutdown).await })
+    };
+    while (handled.load(Ordering::Relaxed) as usize) < MESSAGES
+        || ready_messages(channel, topology.queue()).await > 0
+    {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let rate = MESSAGES as f64 / started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    running.await.expect("the runner task").expect("the runner");
+    rate
+}

@@ -1,0 +1,125 @@
+//! `redis`: flag claims next to raw `SET NX PX`, on a `redis-server` the bench starts itself
+//! on a free port and empties before every measurement, so each starts from the same empty
+//! keyspace and the machine's shared Redis is left alone.
+
+use std::process::Command;
+use std::time::Duration;
+
+use integration_tests::redis_connection;
+use integration_tests::redis_server::ScratchRedis;
+use oncely::flag::{FlagStore, RedisFlagStore};
+use oncely::{BusinessKey, Fingerprint, Token};
+use redis::aio::ConnectionManager;
+
+use crate::measure::{IN_FLIGHT, Op, compare_at_each_level, op, throughput};
+use crate::report::{Plot, Report, Row, Section, Target};
+
+/// Bench keys in Redis expire on their own.
+const KEY_TTL: Duration = Duration::from_secs(20);
+
+/// What one operation of a Redis measurement does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Operation {
+    /// The baseline: the store's raw limit for a flag's claim, one `SET NX PX`.
+    RawSet,
+    /// A flag claim: one `SET NX GET PX`.
+    Claim,
+    /// A flag claim, then its completion: two round trips.
+    ClaimAndComplete,
+}
+
+impl Operation {
+    /// The operations measured against [`Operation::RawSet`], in table order.
+    const MEASURED: [Operation; 2] = [Operation::Claim, Operation::ClaimAndComplete];
+
+    fn name(self) -> &'static str {
+        match self {
+            Operation::RawSet => "raw `SET NX PX`",
+            Operation::Claim => "flag claim (`SET NX GET PX`)",
+            Operation::ClaimAndComplete => "flag claim + complete (2 round trips)",
+        }
+    }
+
+    /// The operation on `connection`, through the flag store where it is the flag's.
+    fn op(self, connection: &ConnectionManager) -> Op {
+        let store = RedisFlagStore::new(connection.clone());
+        match self {
+            Operation::RawSet => op(connection.clone(), |mut connection, i| async move {
+                let _: Option<String> = redis::cmd("SET")
+                    .arg(format!("oncely:raw:{{{i}}}"))
+                    .arg("i:00000000000000000000000000000000")
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(KEY_TTL.as_millis() as u64)
+                    .query_async(&mut connection)
+                    .await
+                    .expect("raw SET");
+            }),
+            Operation::Claim => op(store, |store, i| async move {
+                let key = BusinessKey::new(i.to_string());
+                store.claim(&key, Token::random(), KEY_TTL).await.expect("claim");
+            }),
+            Operation::ClaimAndComplete => op(store, |store, i| async move {
+                let (key, token) = (BusinessKey::new(i.to_string()), Token::random());
+                store.claim(&key, token, KEY_TTL).await.expect("claim");
+                store
+                    .complete(&key, token, Fingerprint::of(b"bench"), KEY_TTL)
+                    .await
+                    .expect("complete");
+            }),
+        }
+    }
+}
+
+/// Measures every [`Operation::MEASURED`] against [`Operation::RawSet`] at each in-flight
+/// level, and adds the table and the claim's target to `report`.
+pub(crate) async fn run(report: &mut Report) {
+    let server = ScratchRedis::start();
+    let connection = redis_connection(&server.url()).await;
+    let flush = op(connection.clone(), |mut connection, _| async move {
+        let () = redis::cmd("FLUSHALL")
+            .query_async(&mut connection)
+            .await
+            .expect("FLUSHALL");
+    });
+    let raw_set = Operation::RawSet.op(&connection);
+    // The first measurement in a fresh process and server runs visibly faster than the rest;
+    // one discarded run keeps it from favouring whichever comes first.
+    throughput(IN_FLIGHT[IN_FLIGHT.len() - 1], &raw_set).await;
+    let measured = Operation::MEASURED.map(|operation| (operation.name(), operation.op(&connection)));
+    let rows = compare_at_each_level(&flush, &raw_set, &measured).await;
+    report.add_target(Target {
+        what: "Redis flag claims at 64 in flight",
+        ratio: Row::last_ratio(&rows, Operation::Claim.name()),
+        baseline: "raw SET NX PX",
+        at_least: 0.80,
+    });
+    report.add(Section {
+        title: "Redis flag tier".into(),
+        baseline_name: Operation::RawSet.name(),
+        unit: None,
+        rows,
+        note: redis_benchmark(&server.url()).map(|line| {
+            format!(
+                "For scale, redis-benchmark on the same server (64 connections, no client library): {line}"
+            )
+        }),
+        plot: Plot::Curves("Redis: "),
+    });
+}
+
+/// The server's own limit for the same command, measured by redis-benchmark when present.
+fn redis_benchmark(url: &str) -> Option<String> {
+    let port = url.rsplit(':').next()?;
+    let output = Command::new("redis-benchmark")
+        .args(["-p", port, "-c", "64", "-n", "200000", "-r", "100000000", "-q"])
+        .args(["SET", "oncely:rb:__rand_int__", "v", "NX", "PX", "20000"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text
+        .lines()
+        .rev()
+        .find(|line| line.contains("requests per second"))?;
+    Some(line.rsplit('\r').next().unwrap_or(line).trim().to_owned())
+}
