@@ -12,7 +12,7 @@ use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::postgres::Table;
 use oncely::record::PgTransactionalLayer;
-use oncely::{Envelope, KeyExtractor, Outcome, Route, handler_fn};
+use oncely::{Envelope, KeyExtractor, Route, handler_fn};
 use oncely_amqp::Topology;
 use redis::aio::ConnectionManager;
 use std::time::Duration;
@@ -113,13 +113,7 @@ pub fn orders_route(
     records: Table,
     redis: ConnectionManager,
     prefix: &str,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + use<>,
-> {
+) -> Route<impl crate::RouteStack<Infallible> + use<>> {
     let handler =
         handler_fn(|envelope: Envelope| async move { crate::postgres::insert_stock_move(&envelope).await });
     let stack = ServiceBuilder::new()
@@ -145,13 +139,7 @@ pub fn flag_only_orders_route(
     pool: Pool,
     redis: ConnectionManager,
     prefix: &str,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + use<>,
-> {
+) -> Route<impl crate::RouteStack<Infallible> + use<>> {
     let handler = handler_fn(move |envelope: Envelope| {
         let pool = pool.clone();
         async move {

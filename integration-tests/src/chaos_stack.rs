@@ -328,18 +328,6 @@ impl fmt::Display for ChaosStack {
     }
 }
 
-/// What every chaos route runs: a cloneable stack whose errors are boxed (the timeout's),
-/// as the adapters take it. One name for the bound the three route functions return.
-pub trait ChaosService:
-    tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send> + Clone + Send + Sync
-{
-}
-
-impl<S> ChaosService for S where
-    S: tower::Service<Envelope, Response = Outcome, Error = BoxError, Future: Send> + Clone + Send + Sync
-{
-}
-
 /// The full stack of the chaos run: a `tower::timeout` outermost, then the Redis flag, the
 /// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode, to the
 /// chaos handler writing in the record's transaction. Keyed by the body's `/orderId`.
@@ -350,7 +338,7 @@ pub fn chaos_orders_route(
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
-) -> Route<impl ChaosService + use<>> {
+) -> Route<impl crate::RouteStack<BoxError> + use<>> {
     let stack = timeout_and_flag(redis.clone(), prefix)
         .layer(
             LockLayer::new(
@@ -379,7 +367,7 @@ pub fn chaos_points_route(
     deliveries: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
-) -> Route<impl ChaosService + use<>> {
+) -> Route<impl crate::RouteStack<BoxError> + use<>> {
     let stack = timeout_and_flag(redis, prefix)
         .layer(PgTransactionalLayer::new(pool, records))
         .service(handler_service(Effects::InRecordTransaction, faults));
@@ -402,7 +390,7 @@ pub fn chaos_flag_only_route(
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
-) -> Route<impl ChaosService + use<>> {
+) -> Route<impl crate::RouteStack<BoxError> + use<>> {
     let stack = timeout_and_flag(redis, prefix).service(handler_service(Effects::Autocommit(pool), faults));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }

@@ -37,6 +37,21 @@ pub async fn redis_connection(url: &str) -> ConnectionManager {
 
 pub use oncely::testing::unique;
 
+/// What the tests' route functions return: a cloneable stack of envelopes to outcomes whose
+/// errors are `E`. One name for the bound they would otherwise each spell out.
+pub trait RouteStack<E>:
+    tower::Service<oncely::Envelope, Response = oncely::Outcome, Error = E, Future: Send> + Clone + Send + Sync
+{
+}
+
+impl<E, S> RouteStack<E> for S where
+    S: tower::Service<oncely::Envelope, Response = oncely::Outcome, Error = E, Future: Send>
+        + Clone
+        + Send
+        + Sync
+{
+}
+
 /// Waits until `done` holds, checking every 100 ms; panics after `limit`.
 pub async fn wait_until<F, Fut>(limit: Duration, mut done: F)
 where
