@@ -83,6 +83,7 @@ pub struct FingerprintPolicy(Policy);
 enum Policy {
     #[default]
     WholeBody,
+    CanonicalJson,
     Fields(Arc<[String]>),
     Off,
 }
@@ -91,6 +92,14 @@ impl FingerprintPolicy {
     /// The whole body, byte for byte: any difference is another payload. The default.
     pub fn whole_body() -> Self {
         FingerprintPolicy(Policy::WholeBody)
+    }
+
+    /// The whole body as JSON, canonicalised: object keys sorted, whitespace dropped, so
+    /// producers that serialise the same payload in another key order or layout send the
+    /// same payload. Numbers as in [`fields`](FingerprintPolicy::fields). A body that is not
+    /// JSON is dead-lettered (`invalid_key`).
+    pub fn canonical_json() -> Self {
+        FingerprintPolicy(Policy::CanonicalJson)
     }
 
     /// No payload check: every delivery of a remembered key is a duplicate.
@@ -135,6 +144,11 @@ impl FingerprintPolicy {
         match &self.0 {
             Policy::WholeBody => Ok(Fingerprint::of(delivery.body())),
             Policy::Off => Ok(Fingerprint::UNCHECKED),
+            Policy::CanonicalJson => {
+                let mut canonical = Vec::new();
+                write_canonical(delivery.json()?, &mut canonical);
+                Ok(Fingerprint::of(&canonical))
+            }
             Policy::Fields(pointers) => {
                 let document = delivery.json()?;
                 let mut selected = Vec::new();
@@ -231,6 +245,15 @@ mod tests {
         assert!(policy.fingerprint(&delivery("not json")).is_err());
         assert!(FingerprintPolicy::fields(Vec::<String>::new()).is_err());
         assert!(FingerprintPolicy::fields(["orderId"]).is_err());
+
+        let canonical = FingerprintPolicy::canonical_json();
+        let of = |body| canonical.fingerprint(&delivery(body)).unwrap();
+        assert_eq!(
+            of(r#"{"a":1,"b":[1,{"d":2,"c":3}]}"#),
+            of(r#"{ "b": [1, {"c":3, "d":2}], "a": 1 }"#)
+        );
+        assert_ne!(of(r#"{"a":1}"#), of(r#"{"a":2}"#));
+        assert!(canonical.fingerprint(&delivery("not json")).is_err());
 
         let off = FingerprintPolicy::off().fingerprint(&delivery("x")).unwrap();
         assert!(off.matches(first) && first.matches(off));

@@ -95,6 +95,14 @@ impl fmt::Display for HandlerError {
 ///
 /// `Ok(())` gives [`Outcome::Processed`]; an error gives what [`HandlerError::into_outcome`]
 /// says. The function is called once per envelope that every tier in front let through.
+///
+/// A handler that panics does not take the consumer down: [`Route::handle`](crate::Route::handle)
+/// catches the panic, the stack's future is dropped (the transactional record's transaction
+/// rolls back with its connection, a lock's watchdog stops), and the delivery is retried
+/// ([`RetryReason::HandlerPanicked`]); at the route's maximum attempts it is dead-lettered as
+/// `attempts_exhausted` with the panic's message. A panic that kills the process every
+/// time is counted by the broker or a delivery counter and dead-lettered as
+/// `delivery_limit`.
 pub fn handler_fn<F>(f: F) -> HandlerFn<F> {
     HandlerFn { f }
 }

@@ -135,6 +135,9 @@ pub use fingerprint::{Fingerprint, FingerprintPolicy};
 pub use handler::{HandlerError, HandlerFn, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
 pub use outcome::{BrokerAction, Outcome, RetryLater, RetryReason};
+/// The `redis` crate the Redis backends are built on, for making their connections.
+#[cfg(feature = "redis")]
+pub use redis;
 pub use route::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_LEN, Route};
 pub use tier::{BoxFuture, FailurePolicy, Tier};
 pub use token::Token;
