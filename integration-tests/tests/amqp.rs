@@ -392,7 +392,10 @@ async fn a_dropped_connection_is_reconnected_and_consumption_resumes() {
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     shutdown.cancel();
-    running.await.unwrap();
+    running
+        .await
+        .unwrap()
+        .expect("the runner stops at shutdown without an error");
     assert!(
         connections.load(Ordering::SeqCst) >= 2,
         "the runner connected again"
@@ -512,4 +515,85 @@ async fn the_producer_resends_under_the_same_id_after_losing_its_connection() {
         "with its business-key header"
     );
     topology.delete(&channel).await.unwrap();
+}
+
+/// A runner of a do-nothing route on its own queue.
+fn idle_runner(queue: &str) -> Runner<impl integration_tests::RouteStack<std::convert::Infallible> + use<>> {
+    let handler = handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) });
+    let route = Route::new("idle", KeyExtractor::message_id(), handler);
+    Runner::new(route, Topology::new(queue)).with_max_connect_failures(3)
+}
+
+/// `amqp_addr()` with the password replaced.
+fn with_password(address: &str, password: &str) -> String {
+    let (scheme, rest) = address.split_once("://").expect("an amqp:// address");
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://guest:{password}@{host}")
+}
+
+#[tokio::test]
+async fn connection_failures_that_retrying_cannot_fix_end_the_runner_with_their_error() {
+    let shutdown = CancellationToken::new();
+    let address = integration_tests::amqp::amqp_addr();
+
+    // Refused credentials: an error at once, not a silent reconnect loop.
+    let wrong = with_password(&address, "not-the-password");
+    let refused = tokio::time::timeout(
+        Duration::from_secs(20),
+        idle_runner(&unique("oncely-test-auth")).run_with_reconnect(
+            || lapin::Connection::connect(&wrong, Default::default()),
+            &shutdown,
+        ),
+    )
+    .await
+    .expect("the runner gives up instead of retrying forever");
+    let error = refused.expect_err("wrong credentials are an error");
+    assert!(
+        matches!(error, oncely_amqp::Error::Amqp(_)) && !error.is_retryable(),
+        "refused at the first attempt: {error}"
+    );
+
+    // A queue that exists with other arguments: the declaration is refused for good.
+    let queue = unique("oncely-test-declare");
+    let connection = lapin::Connection::connect(&address, Default::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let exclusive = lapin::options::QueueDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(queue.as_str().into(), exclusive, Default::default())
+        .await
+        .unwrap();
+    let declared = idle_runner(&queue)
+        .run_with_reconnect(
+            || lapin::Connection::connect(&address, Default::default()),
+            &shutdown,
+        )
+        .await;
+    let error = declared.expect_err("a refused declaration is an error");
+    assert!(
+        matches!(error, oncely_amqp::Error::Amqp(_)) && !error.is_retryable(),
+        "refused at the first attempt: {error}"
+    );
+    drop(connection);
+
+    // Nobody listening: three failed attempts in a row, then the runner gives up.
+    let started = Instant::now();
+    let unreachable = idle_runner(&unique("oncely-test-unreachable"))
+        .run_with_reconnect(
+            || lapin::Connection::connect("amqp://127.0.0.1:1/%2f", Default::default()),
+            &shutdown,
+        )
+        .await;
+    assert!(
+        matches!(
+            unreachable,
+            Err(oncely_amqp::Error::ConnectGaveUp { attempts: 3, .. })
+        ),
+        "{unreachable:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
 }

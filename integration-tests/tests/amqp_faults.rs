@@ -83,8 +83,21 @@ impl Runs {
     }
 }
 
+/// Stops a runner [`start`] started and checks it ended without an error.
+async fn stop(shutdown: CancellationToken, running: tokio::task::JoinHandle<Result<(), oncely_amqp::Error>>) {
+    shutdown.cancel();
+    let ended = running.await.expect("the runner task does not panic");
+    ended.expect("the runner stops at shutdown without an error");
+}
+
 /// Starts `runner` on its own connection named `name`, reconnecting when the broker drops it.
-fn start<S>(runner: Runner<S>, name: &str) -> (CancellationToken, tokio::task::JoinHandle<()>)
+fn start<S>(
+    runner: Runner<S>,
+    name: &str,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), oncely_amqp::Error>>,
+)
 where
     S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
     S::Error: Into<oncely::BoxError>,
@@ -130,8 +143,7 @@ async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_pa
         ready_messages(&channel, &dlq).await == 5 && runs.keys_starting("ok") == 3
     })
     .await;
-    shutdown.cancel();
-    running.await.unwrap();
+    stop(shutdown, running).await;
 
     for message in drain(&channel, &dlq).await {
         assert_dead_letter(&message, &topology, "attempts_exhausted", 2, "panics");
@@ -195,8 +207,7 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
         ready_messages(&channel, &dlq).await == 1 && runs.keys_starting("ok") == 20
     })
     .await;
-    shutdown.cancel();
-    running.await.unwrap();
+    stop(shutdown, running).await;
     killer.abort();
 
     let dead = drain(&channel, &dlq).await;
@@ -302,8 +313,7 @@ async fn waiting_for_another_holder_uses_up_no_attempts() {
         ready_messages(&channel, &dlq).await == 1
     })
     .await;
-    shutdown.cancel();
-    running.await.unwrap();
+    stop(shutdown, running).await;
     let dead = drain(&channel, &dlq).await;
     assert_dead_letter(&dead[0], &topology, "attempts_exhausted", 3, "waits");
     assert_eq!(

@@ -22,6 +22,15 @@ pub enum Error {
     /// The broker did not confirm a publish in time; it may or may not have stored it.
     #[error("no publisher confirm within {0:?}")]
     ConfirmTimeout(std::time::Duration),
+    /// [`Runner::run_with_reconnect`](crate::Runner::run_with_reconnect) failed to connect,
+    /// open a channel or declare its topology the configured number of times in a row.
+    #[error("could not start consuming after {attempts} attempts in a row: {last}")]
+    ConnectGaveUp {
+        /// How many attempts failed.
+        attempts: u32,
+        /// The last failure.
+        last: Box<Error>,
+    },
     /// A publish was retried the configured number of times without a confirm.
     #[error("publish failed after {attempts} attempts: {last}")]
     PublishGaveUp {
@@ -34,8 +43,30 @@ pub enum Error {
 
 impl Error {
     /// True when trying again (after reconnecting, for a lost connection) may succeed. An
-    /// unroutable message stays unroutable until someone binds a queue for it.
+    /// unroutable message stays unroutable until someone binds a queue for it; refused
+    /// credentials, a refused virtual host or a refused declaration stay refused until
+    /// someone changes the configuration.
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, Error::PublishGaveUp { .. } | Error::Unroutable { .. })
+        match self {
+            Error::Amqp(error) => !refused_for_good(error),
+            Error::Nacked | Error::ConfirmTimeout(_) => true,
+            Error::Unroutable { .. } | Error::PublishGaveUp { .. } | Error::ConnectGaveUp { .. } => false,
+        }
+    }
+}
+
+/// Errors a reconnect cannot fix: the broker refused the credentials (`ACCESS_REFUSED`),
+/// the virtual host (`NOT_ALLOWED`, `INVALID_PATH`) or a declaration whose arguments differ
+/// from the existing queue's (`PRECONDITION_FAILED`); the broker speaks another protocol.
+fn refused_for_good(error: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED) => true,
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED | AMQPHardError::INVALIDPATH) => true,
+            AMQPErrorKind::Soft(_) | AMQPErrorKind::Hard(_) => false,
+        },
+        lapin::ErrorKind::InvalidProtocolVersion(_) | lapin::ErrorKind::AuthProviderError(_) => true,
+        _ => false,
     }
 }

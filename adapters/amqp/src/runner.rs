@@ -36,6 +36,11 @@ pub const ORIGINAL_ROUTING_KEY_HEADER: &str = "x-oncely-original-routing-key";
 /// configured otherwise ([`Runner::with_max_deliveries`]).
 pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
 
+/// How many times in a row [`Runner::run_with_reconnect`] may fail to connect, open a
+/// channel and declare the topology before it gives up, unless configured otherwise: with
+/// its backoff (100 ms doubling to 10 s) about 45 s of trying.
+pub const DEFAULT_MAX_CONNECT_FAILURES: u32 = 10;
+
 /// How long the runner waits before returning a delivery it could not settle (its retry or
 /// dead-letter copy was not confirmed) to its queue.
 pub const SETTLE_RETRY_DELAY: Duration = Duration::from_secs(1);
@@ -86,6 +91,7 @@ pub struct Runner<S> {
     prefetch: u16,
     concurrency: usize,
     max_deliveries: u32,
+    max_connect_failures: u32,
     shutdown_grace: Duration,
     confirm_timeout: Duration,
 }
@@ -115,6 +121,7 @@ where
             prefetch: 64,
             concurrency: 64,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
+            max_connect_failures: DEFAULT_MAX_CONNECT_FAILURES,
             shutdown_grace: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(10),
         }
@@ -139,6 +146,14 @@ where
     /// times. Independent of the route's attempts, which count failures the stack answered.
     pub fn with_max_deliveries(mut self, max_deliveries: u32) -> Self {
         self.max_deliveries = max_deliveries.max(1);
+        self
+    }
+
+    /// How many times in a row [`run_with_reconnect`](Runner::run_with_reconnect) may fail
+    /// to get to consuming before it returns the last failure (default
+    /// [`DEFAULT_MAX_CONNECT_FAILURES`]; values below 1 are read as 1).
+    pub fn with_max_connect_failures(mut self, failures: u32) -> Self {
+        self.max_connect_failures = failures.max(1);
         self
     }
 
@@ -254,37 +269,76 @@ where
 
     /// Runs on connections from `connect` until `shutdown` is cancelled: declares the
     /// topology, consumes, and when the connection or channel is lost, connects again with
-    /// exponential backoff (100 ms doubling to 10 s). Deliveries left unacked by a lost
-    /// channel come back from the broker, and the stack answers for what was already done.
-    pub async fn run_with_reconnect<F, Fut>(&self, mut connect: F, shutdown: &CancellationToken)
+    /// exponential backoff (100 ms doubling to 10 s, back to 100 ms once consuming again).
+    /// Deliveries left unacked by a lost channel come back from the broker, and the stack
+    /// answers for what was already done.
+    ///
+    /// Returns `Ok` at shutdown. Returns the error when retrying cannot fix it — the broker
+    /// refused the credentials, the virtual host or a declaration (a queue that exists with
+    /// other arguments, say) — or when [`with_max_connect_failures`](Runner::with_max_connect_failures)
+    /// attempts in a row failed before consuming ([`Error::ConnectGaveUp`]): a wrong address
+    /// is a visible failure, not a silent hang. Each failure is also logged through
+    /// `tracing` (target `oncely_amqp`), which shows only with a subscriber installed.
+    pub async fn run_with_reconnect<F, Fut>(
+        &self,
+        mut connect: F,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<Connection, lapin::Error>>,
     {
         let mut backoff = Duration::from_millis(100);
+        let mut failures = 0;
         while !shutdown.is_cancelled() {
-            let attempt = async {
-                let connection = connect().await?;
-                let channel = connection.create_channel().await?;
-                self.topology.declare(&channel).await?;
-                let ran = self.run(&channel, shutdown).await;
-                let _ = connection.close(200, "oncely runner stopped".into()).await;
-                ran
-            };
-            match attempt.await {
-                Ok(()) if shutdown.is_cancelled() => return,
+            let mut consumed = false;
+            match self.connect_and_run(&mut connect, shutdown, &mut consumed).await {
+                Ok(()) if shutdown.is_cancelled() => return Ok(()),
                 Ok(()) => tracing::warn!("consumer ended by the broker; reconnecting"),
+                Err(error) if !error.is_retryable() => return Err(error),
+                Err(error) if !consumed && failures + 1 >= self.max_connect_failures => {
+                    return Err(Error::ConnectGaveUp {
+                        attempts: failures + 1,
+                        last: Box::new(error),
+                    });
+                }
                 Err(error) => tracing::warn!(%error, ?backoff, "AMQP connection lost; reconnecting"),
             }
+            (failures, backoff) = if consumed {
+                (0, Duration::from_millis(100))
+            } else {
+                (failures + 1, (backoff * 2).min(Duration::from_secs(10)))
+            };
             if shutdown
                 .run_until_cancelled(tokio::time::sleep(backoff))
                 .await
                 .is_none()
             {
-                return;
+                return Ok(());
             }
-            backoff = (backoff * 2).min(Duration::from_secs(10));
         }
+        Ok(())
+    }
+
+    /// One connection: connect, open a channel, declare the topology, then consume until
+    /// shutdown or a failure; `consumed` tells whether it got as far as consuming.
+    async fn connect_and_run<F, Fut>(
+        &self,
+        connect: &mut F,
+        shutdown: &CancellationToken,
+        consumed: &mut bool,
+    ) -> Result<(), Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<Connection, lapin::Error>>,
+    {
+        let connection = connect().await?;
+        let channel = connection.create_channel().await?;
+        self.topology.declare(&channel).await?;
+        *consumed = true;
+        let ran = self.run(&channel, shutdown).await;
+        let _ = connection.close(200, "oncely runner stopped".into()).await;
+        ran
     }
 
     /// Handles one delivery and settles it; never fails: a failed settlement is a `nack`
@@ -368,7 +422,10 @@ fn worth_settling_again(error: &Error) -> bool {
     match error {
         Error::Nacked | Error::ConfirmTimeout(_) => true,
         // The channel is gone (the broker redelivers), or the copy has no queue.
-        Error::Amqp(_) | Error::Unroutable { .. } | Error::PublishGaveUp { .. } => false,
+        Error::Amqp(_)
+        | Error::Unroutable { .. }
+        | Error::PublishGaveUp { .. }
+        | Error::ConnectGaveUp { .. } => false,
     }
 }
 

@@ -45,7 +45,10 @@ where
         })
         .collect();
     for runner in runners {
-        let _ = runner.await;
+        if let Ok(Err(error)) = runner.await {
+            eprintln!("amqp_consumer: {error}");
+            std::process::exit(1);
+        }
     }
 }
 

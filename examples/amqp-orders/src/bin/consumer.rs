@@ -92,7 +92,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let address = amqp_addr();
     runner
         .run_with_reconnect(|| Connection::connect(&address, Default::default()), &shutdown)
-        .await;
+        .await?;
     watcher.abort();
 
     let client = pool.get().await?;
