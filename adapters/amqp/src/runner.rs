@@ -295,7 +295,9 @@ where
             match self.connect_and_run(&mut connect, shutdown, &mut consumed).await {
                 Ok(()) if shutdown.is_cancelled() => return Ok(()),
                 Ok(()) => tracing::warn!("consumer ended by the broker; reconnecting"),
-                Err(error) if !error.is_retryable() => return Err(error),
+                // Only before consuming: once consuming, a channel the broker closed (an ack
+                // past its consumer timeout is PRECONDITION_FAILED too) is worth reconnecting.
+                Err(error) if !consumed && !error.is_retryable() => return Err(error),
                 Err(error) if !consumed && failures + 1 >= self.max_connect_failures => {
                     return Err(Error::ConnectGaveUp {
                         attempts: failures + 1,

@@ -10,6 +10,9 @@
 //! | done, same payload | [`Duplicate`](crate::Outcome::Duplicate) from [`Tier::Flag`](crate::Tier::Flag) |
 //! | done, other payload | [`DeadLetter`](crate::Outcome::DeadLetter): key reused with another payload |
 //!
+//! "Same payload" is as the route's [`FingerprintPolicy`](crate::FingerprintPolicy) says
+//! (whole body unless configured).
+//!
 //! When the tiers behind settle the key (processed, duplicate or stale) the claim becomes
 //! *done*, kept for the retention TTL. Any other answer *releases* the claim so a retry can
 //! run. Only the claim's own token may complete or release it, so a holder whose lease ran

@@ -5,7 +5,7 @@
 //! | the key's record | outcome |
 //! |---|---|
 //! | none | inserted as `PROCESSING` with a lease: the tiers behind run |
-//! | another payload's fingerprint | [`DeadLetter`](crate::Outcome::DeadLetter): key reused with a different payload |
+//! | another payload's fingerprint ([`FingerprintPolicy`](crate::FingerprintPolicy)) | [`DeadLetter`](crate::Outcome::DeadLetter): key reused with a different payload |
 //! | `SUCCESS` | [`Duplicate`](crate::Outcome::Duplicate) from [`Tier::Record`](crate::Tier::Record) |
 //! | `PROCESSING`, lease running | [`RetryLater`](crate::Outcome::RetryLater): in flight elsewhere |
 //! | `PROCESSING` past its lease, or `FAILURE` | taken over (attempt + 1): the tiers behind run |
