@@ -13,9 +13,12 @@ use integration_tests::dead_letter;
 use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
-use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
+use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::{Envelope, HandlerError, Json, KeyExtractor, Route, handler_fn};
 use oncely_amqp::{ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
 use tokio_util::sync::CancellationToken;
+use tower::ServiceBuilder;
 
 fn order_body(order: usize) -> Vec<u8> {
     format!(
@@ -143,6 +146,106 @@ async fn five_thousand_messages_with_thirty_percent_duplicates_over_four_consume
             .is_empty(),
         "nothing dead-lettered"
     );
+    fixture.teardown().await;
+}
+
+/// An order as the typed handler takes it.
+#[derive(serde::Deserialize)]
+struct Order {
+    #[serde(rename = "orderId")]
+    order_id: String,
+    quantity: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drained_run_ends_after_its_retries_and_reports_what_it_did() {
+    const ORDERS: usize = 200;
+    let fixture = OrdersFixture::new("drain").await;
+    // The retry waits longer than the drain's idle time: the run must wait for it.
+    let topology = fixture
+        .topology
+        .clone()
+        .with_retry_delays([Duration::from_secs(2)]);
+    let failed_once = Arc::new(AtomicU32::new(0));
+    let fails = failed_once.clone();
+    // Typed: a body that is not an Order is dead-lettered before the handler runs, and a
+    // quantity out of i32's range is a permanent failure by its error's type.
+    let deduct = move |tx: PgTransaction, Json(order): Json<Order>| {
+        let fail = order.order_id == "order_7" && fails.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            let quantity = i32::try_from(order.quantity)?;
+            if fail {
+                return Err(HandlerError::transient("stock service busy"));
+            }
+            tx.execute(
+                "INSERT INTO stock_moves (order_id) VALUES ($1)",
+                &[&format!("{}:{quantity}", order.order_id)],
+            )
+            .await?;
+            Ok(())
+        }
+    };
+    let records = PgTransactionalLayer::new(schema_pool(fixture.schema.name(), 8), fixture.schema.records());
+    let stack = ServiceBuilder::new()
+        .layer(
+            FlagLayer::new(
+                RedisFlagStore::new(redis_connection(&redis_url()).await)
+                    .with_prefix(fixture.prefix.as_str()),
+                Duration::from_secs(600),
+            )
+            .with_record_behind(),
+        )
+        .service(records.handler(deduct));
+    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    let producer = Producer::new(connect().await.unwrap());
+    let published = publish_with_duplicates(&producer, topology.queue(), ORDERS).await;
+    for poison in [
+        r#"{"orderId":"bad-1","quantity":"many"}"#,
+        r#"{"orderId":"big-1","quantity":99999999999}"#,
+    ] {
+        producer
+            .publish("", topology.queue(), poison.as_bytes(), None)
+            .await
+            .unwrap();
+    }
+
+    let runner = Runner::new(route, topology.clone()).with_drain(Duration::from_millis(500));
+    let never = CancellationToken::new();
+    let run = runner.run_with_reconnect(connect, &never);
+    let report = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the run drains by itself")
+        .unwrap();
+
+    println!("{report}");
+    assert!(report.drained);
+    assert_eq!(report.processed, ORDERS as u64);
+    assert_eq!(
+        report.duplicates.values().sum::<u64>(),
+        (published - ORDERS) as u64
+    );
+    assert_eq!(report.retries, [("handler_failed".to_owned(), 1)].into());
+    assert_eq!(report.dead_letters, [("bad_body", 1), ("rejected", 1)].into());
+    assert_eq!(
+        fixture.moves().await,
+        ORDERS as i64,
+        "order_7 too, after its retry"
+    );
+    fixture.assert_each_order_once(ORDERS).await;
+    let channel = connect().await.unwrap().create_channel().await.unwrap();
+    let dead = drain(&channel, topology.dead_letter_queue()).await;
+    let reasons: Vec<_> = dead
+        .iter()
+        .map(|message| header_text(message, oncely::dead_letter::REASON).unwrap())
+        .collect();
+    assert_eq!(reasons.len(), 2);
+    assert!(reasons.contains(&"bad_body".to_owned()) && reasons.contains(&"rejected".to_owned()));
+    for retry_queue in topology.retry_queues() {
+        channel
+            .queue_delete(retry_queue.into(), Default::default())
+            .await
+            .unwrap();
+    }
     fixture.teardown().await;
 }
 

@@ -15,6 +15,7 @@ use integration_tests::dead_letter;
 use integration_tests::{unique, wait_until};
 use lapin::options::{BasicPublishOptions, QueueDeleteOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
+use oncely::report::RunReport;
 use oncely::{
     BoxFuture, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Tier, handler_fn,
 };
@@ -83,21 +84,18 @@ impl Runs {
     }
 }
 
-/// Stops a runner [`start`] started and checks it ended without an error.
-async fn stop(shutdown: CancellationToken, running: tokio::task::JoinHandle<Result<(), oncely_amqp::Error>>) {
+/// Stops a runner [`start`] started, checks it ended without an error and returns its report.
+async fn stop(shutdown: CancellationToken, running: Running) -> RunReport {
     shutdown.cancel();
     let ended = running.await.expect("the runner task does not panic");
-    ended.expect("the runner stops at shutdown without an error");
+    ended.expect("the runner stops at shutdown without an error")
 }
 
+/// A runner running in a task of its own.
+type Running = tokio::task::JoinHandle<Result<RunReport, oncely_amqp::Error>>;
+
 /// Starts `runner` on its own connection named `name`, reconnecting when the broker drops it.
-fn start<S>(
-    runner: Runner<S>,
-    name: &str,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<Result<(), oncely_amqp::Error>>,
-)
+fn start<S>(runner: Runner<S>, name: &str) -> (CancellationToken, Running)
 where
     S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
     S::Error: Into<oncely::BoxError>,
@@ -230,9 +228,9 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
 async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter_queue() {
     let (topology, channel) = queue_with("unroutable-retry", &["o-1"]).await;
     // The retry copies become unroutable: every settlement of a retry fails.
-    for delay in topology.retry_delays() {
+    for retry_queue in topology.retry_queues() {
         channel
-            .queue_delete(topology.retry_queue(*delay).into(), QueueDeleteOptions::default())
+            .queue_delete(retry_queue.into(), QueueDeleteOptions::default())
             .await
             .unwrap();
     }
@@ -336,12 +334,12 @@ async fn a_retry_whose_work_queue_is_missing_waits_in_the_retry_queue_instead_of
         .await
         .unwrap();
     // A retry copy, as the runner publishes it, whose TTL runs out while no work queue exists.
-    let retry_queue = topology.retry_queue(topology.retry_delays()[0]);
+    let retry_queue = topology.retry_queues().next().unwrap();
     channel.confirm_select(Default::default()).await.unwrap();
     channel
         .basic_publish(
             "".into(),
-            retry_queue.as_str().into(),
+            retry_queue.into(),
             BasicPublishOptions::default(),
             br#"{"orderId":"o-1"}"#,
             BasicProperties::default().with_delivery_mode(2),

@@ -56,6 +56,9 @@ pub enum DeadLetterReason {
     AttemptsExhausted,
     /// The handler rejected the delivery as permanently unprocessable.
     Rejected,
+    /// The body does not deserialise into the type the handler takes
+    /// ([`Json`](crate::Json)): not JSON, a field missing, a value out of range.
+    BadBody,
     /// The body is larger than the route's maximum
     /// ([`Route::with_max_body_len`](crate::Route::with_max_body_len)); it was not parsed.
     Oversize,
@@ -76,6 +79,7 @@ impl DeadLetterReason {
             DeadLetterReason::PayloadMismatch => "payload_mismatch",
             DeadLetterReason::AttemptsExhausted => "attempts_exhausted",
             DeadLetterReason::Rejected => "rejected",
+            DeadLetterReason::BadBody => "bad_body",
             DeadLetterReason::Oversize => "oversize",
             DeadLetterReason::DeliveryLimit => "delivery_limit",
         }

@@ -352,7 +352,7 @@ impl Envelope {
 
     /// True when a pre-filter in front found the key certainly new: no delivery of it was
     /// settled in this process. Tiers that support it skip their lookups (the flag with
-    /// [`skip_claim_when_certainly_new`](crate::flag::FlagLayer::skip_claim_when_certainly_new)).
+    /// [`with_record_behind`](crate::flag::FlagLayer::with_record_behind)).
     pub fn is_certainly_new(&self) -> bool {
         self.certainly_new
     }

@@ -35,6 +35,8 @@
 //! - [`Route`]: one kind of message — reads its business key ([`KeyExtractor`]) and
 //!   fingerprint ([`FingerprintPolicy`]), runs the stack, catches panics, limits attempts.
 //! - [`Delivery`], [`Envelope`]: a message as an adapter hands it over, and as the tiers see it.
+//! - [`handler`](mod@handler): the user's handler, typed ([`handler()`], [`Json`]) or untyped
+//!   ([`handler_fn`]), and how its errors are classified ([`Classify`]).
 //! - [`Outcome`], [`DeadLetter`], [`BrokerAction`]: the stack's answer and the broker's action.
 //! - [`state_guard`]: applies an entity's events only along declared transitions.
 //! - `prefilter` (feature `prefilter`): a local Bloom filter or bitmap of settled keys that
@@ -42,6 +44,7 @@
 //! - [`flag`]: a fast expiring "in flight / done" marker per key.
 //! - [`lock`]: mutual exclusion per entity, with a watchdog and a fencing token.
 //! - [`record`]: the durable consumption record, the final word on "was this processed".
+//! - [`report`]: what a run did ([`report::RunReport`]), and drain mode's wait.
 //! - [`deliveries`]: counts unsettled deliveries per key, for brokers that do not.
 //! - [`tier`]: what every tier shares; write your own tier here.
 //! - [`telemetry`]: the metrics every tier records (feature `metrics`, default).
@@ -109,7 +112,7 @@ mod envelope;
 mod error;
 mod fingerprint;
 pub mod flag;
-mod handler;
+pub mod handler;
 mod key;
 pub mod lock;
 mod outcome;
@@ -118,6 +121,7 @@ pub mod postgres;
 #[cfg(feature = "prefilter")]
 pub mod prefilter;
 pub mod record;
+pub mod report;
 mod route;
 pub mod state_guard;
 pub mod telemetry;
@@ -132,7 +136,7 @@ pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use envelope::{BusinessKey, Delivery, Envelope, Extensions, Headers, Position, Source};
 pub use error::{BoxError, ConfigError, Error, InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintPolicy};
-pub use handler::{HandlerError, HandlerFn, handler_fn};
+pub use handler::{Classify, ErrorClass, HandlerError, HandlerFn, Json, handler, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
 pub use outcome::{BrokerAction, Outcome, RetryLater, RetryReason};
 /// The `redis` crate the Redis backends are built on, for making their connections.

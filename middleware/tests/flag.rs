@@ -97,6 +97,67 @@ async fn a_lease_that_runs_out_lets_a_new_claim_in_and_the_record_behind_catches
     assert_eq!(effects.of("o-1"), 1);
 }
 
+#[tokio::test]
+async fn with_a_record_behind_a_dead_consumers_claim_does_not_hold_its_key_back() {
+    let flags = MemoryFlagStore::new();
+    let records = MemoryRecordStore::new();
+    // A consumer claimed o-1 and died: its marker stays in flight for the whole lease.
+    let key = BusinessKey::new("o-1");
+    let lease = Duration::from_secs(600);
+    assert_eq!(
+        flags.claim(&key, Token::random(), lease).await.unwrap(),
+        Claim::Won
+    );
+    let effects = Effects::default();
+    let stack = |flag: FlagLayer<MemoryFlagStore>| {
+        let stack = ServiceBuilder::new()
+            .layer(flag.with_lease(lease))
+            .layer(RecordLayer::new(records.clone()))
+            .service(effects.handler(Duration::ZERO, 0));
+        Route::new("test", KeyExtractor::json_pointer("/orderId"), stack)
+    };
+
+    let waiting = stack(FlagLayer::new(flags.clone(), WINDOW));
+    let first = waiting.handle(order("o-1", "A")).await;
+    assert_eq!(first.retry_reason(), Some(RetryReason::InFlight(Tier::Flag)));
+    assert_eq!(
+        effects.of("o-1"),
+        0,
+        "without it, the redelivery waits out the lease"
+    );
+
+    let recovering = stack(FlagLayer::new(flags.clone(), WINDOW).with_record_behind());
+    assert_eq!(recovering.handle(order("o-1", "A")).await, Outcome::Processed);
+    assert_eq!(
+        waiting.handle(order("o-1", "A")).await,
+        Outcome::Duplicate { tier: Tier::Flag },
+        "the flag remembers done once the record settled the key"
+    );
+    assert_eq!(effects.of("o-1"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_a_record_behind_concurrent_copies_still_run_the_handler_once() {
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(FlagLayer::new(MemoryFlagStore::new(), WINDOW).with_record_behind())
+        .layer(RecordLayer::new(MemoryRecordStore::new()))
+        .service(effects.handler(Duration::from_millis(50), 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcomes = common::handle_concurrently(&route, vec![order("o-1", "A"); 32]).await;
+    let processed = outcomes.iter().filter(|o| **o == Outcome::Processed).count();
+    let waiting = outcomes
+        .iter()
+        .filter(|o| o.retry_reason() == Some(RetryReason::InFlight(Tier::Record)))
+        .count();
+    assert_eq!(
+        (processed, waiting),
+        (1, 31),
+        "the record, not the flag, held the copies back"
+    );
+    assert_eq!(effects.of("o-1"), 1);
+}
+
 /// A flag store whose every call fails, as an unreachable Redis would.
 #[derive(Clone)]
 struct Unreachable;

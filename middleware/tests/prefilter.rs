@@ -22,7 +22,7 @@ fn route<F: PreFilter>(
 ) -> Route<impl common::Stack> {
     let stack = ServiceBuilder::new()
         .layer(filter)
-        .layer(FlagLayer::new(flags.clone(), Duration::from_secs(600)).skip_claim_when_certainly_new())
+        .layer(FlagLayer::new(flags.clone(), Duration::from_secs(600)).with_record_behind())
         .layer(RecordLayer::new(records.clone()))
         .service(effects.handler(Duration::ZERO, 0));
     Route::new("orders", KeyExtractor::json_pointer("/orderId"), stack)

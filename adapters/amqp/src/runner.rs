@@ -13,6 +13,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
+use oncely::report::{RunReport, Tally};
 use oncely::{
     BoxError, BrokerAction, DeadLetter, DeadLetterReason, Envelope, Outcome, RetryReason, Route, dead_letter,
 };
@@ -85,6 +86,11 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// [`max_deliveries`](Runner::with_max_deliveries) times — crashes, lost channels, or copies
 /// the broker kept refusing — is dead-lettered with [`DeadLetterReason::DeliveryLimit`]
 /// without running again.
+///
+/// **Reports and drain mode.** Every run returns a [`RunReport`]: processed, duplicates per
+/// tier, retries and dead letters per reason, wall time. With
+/// [`with_drain`](Runner::with_drain) the run also ends by itself once it is drained: see
+/// there for what that means.
 pub struct Runner<S> {
     route: Route<S>,
     topology: Topology,
@@ -94,6 +100,7 @@ pub struct Runner<S> {
     max_connect_failures: u32,
     shutdown_grace: Duration,
     confirm_timeout: Duration,
+    drain_after: Option<Duration>,
 }
 
 /// Which of the runner's two consumers a delivery came from.
@@ -124,6 +131,7 @@ where
             max_connect_failures: DEFAULT_MAX_CONNECT_FAILURES,
             shutdown_grace: Duration::from_secs(30),
             confirm_timeout: Duration::from_secs(10),
+            drain_after: None,
         }
     }
 
@@ -164,22 +172,48 @@ where
         self
     }
 
+    /// Drain mode: the run ends by itself, like a shutdown, once it has been idle for
+    /// `idle` — nothing in flight in this runner, no delivery arrived, and no message ready
+    /// in the work queue, the suspect queue or any retry queue (a retry waiting out its
+    /// delay counts as not drained), seen at two checks in a row. The report then says
+    /// `drained`. For batch jobs, tests and examples that must know when a backlog is done.
+    ///
+    /// Limit: it sees this runner's deliveries and the queues' ready messages; deliveries
+    /// another consumer holds unacknowledged are invisible to it (should that consumer die,
+    /// they come back to the queue after the run ended).
+    pub fn with_drain(mut self, idle: Duration) -> Self {
+        self.drain_after = Some(idle);
+        self
+    }
+
     /// The topology.
     pub fn topology(&self) -> &Topology {
         &self.topology
     }
 
-    /// Consumes on `channel` until `shutdown` is cancelled or the channel fails.
+    /// Consumes on `channel` until `shutdown` is cancelled, the run is drained (drain mode)
+    /// or the channel fails, and returns the run's report.
     ///
     /// Shutdown is graceful: consuming stops, in-flight deliveries get the shutdown grace to
     /// finish and be settled, and the ones still running after it are abandoned unacked.
     /// Returns the channel's error if it failed.
-    pub async fn run(&self, channel: &Channel, shutdown: &CancellationToken) -> Result<(), Error> {
+    pub async fn run(&self, channel: &Channel, shutdown: &CancellationToken) -> Result<RunReport, Error> {
+        let tally = Tally::new();
+        self.run_tallied(channel, shutdown, &tally).await?;
+        Ok(tally.report())
+    }
+
+    async fn run_tallied(
+        &self,
+        channel: &Channel,
+        shutdown: &CancellationToken,
+        tally: &Tally,
+    ) -> Result<(), Error> {
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await?;
         let consumer = consume(channel, self.topology.queue()).await?;
-        self.run_consumer(channel, consumer, shutdown).await
+        self.consume_tallied(channel, consumer, shutdown, tally).await
     }
 
     /// Like [`run`](Runner::run), on a consumer you started yourself on `channel` (with your
@@ -191,6 +225,18 @@ where
         channel: &Channel,
         consumer: Consumer,
         shutdown: &CancellationToken,
+    ) -> Result<RunReport, Error> {
+        let tally = Tally::new();
+        self.consume_tallied(channel, consumer, shutdown, &tally).await?;
+        Ok(tally.report())
+    }
+
+    async fn consume_tallied(
+        &self,
+        channel: &Channel,
+        consumer: Consumer,
+        shutdown: &CancellationToken,
+        tally: &Tally,
     ) -> Result<(), Error> {
         // Retry and dead-letter copies are published on this channel and must be confirmed
         // before the original is acked.
@@ -203,23 +249,50 @@ where
         // One pool of permits for both lanes: a suspect takes them all, so it runs alone and
         // a crash while it runs is its own.
         let permits = Arc::new(Semaphore::new(self.concurrency));
-        let (work, suspect) = tokio::join!(
-            self.consume_lane(channel, consumer, Lane::Work, &permits, &stop),
-            self.consume_lane(channel, suspects, Lane::Suspect, &permits, &stop),
+        let lanes = Lanes {
+            channel,
+            permits: &permits,
+            stop: &stop,
+            tally,
+        };
+        let (work, suspect, ()) = tokio::join!(
+            self.consume_lane(&lanes, consumer, Lane::Work),
+            self.consume_lane(&lanes, suspects, Lane::Suspect),
+            self.stop_when_drained(channel, &stop, tally),
         );
         work.and(suspect)
     }
 
+    /// In drain mode, cancels `stop` once the run is drained; returns when `stop` is
+    /// cancelled.
+    async fn stop_when_drained(&self, channel: &Channel, stop: &CancellationToken, tally: &Tally) {
+        let Some(idle) = self.drain_after else {
+            return stop.cancelled().await;
+        };
+        let topology_empty = || async {
+            self.topology
+                .ready_messages(channel)
+                .await
+                .is_ok_and(|ready| ready == 0)
+        };
+        if stop
+            .run_until_cancelled(tally.wait_until_drained(idle, topology_empty))
+            .await
+            .is_some()
+        {
+            stop.cancel();
+        }
+    }
+
     /// Settles the deliveries of one lane until `stop` is cancelled or the consumer ends,
     /// then drains what is in flight within the shutdown grace.
-    async fn consume_lane(
-        &self,
-        channel: &Channel,
-        mut consumer: Consumer,
-        lane: Lane,
-        permits: &Arc<Semaphore>,
-        stop: &CancellationToken,
-    ) -> Result<(), Error> {
+    async fn consume_lane(&self, lanes: &Lanes<'_>, mut consumer: Consumer, lane: Lane) -> Result<(), Error> {
+        let Lanes {
+            channel,
+            permits,
+            stop,
+            tally,
+        } = *lanes;
         let _stop_the_other_lane = stop.clone().drop_guard();
         let tag = consumer.tag();
         let permits_per_delivery = match lane {
@@ -234,15 +307,16 @@ where
             };
             match next {
                 Some(Ok(delivery)) => {
+                    let in_flight_here = tally.arrived();
                     let permit = permits
                         .clone()
                         .acquire_many_owned(permits_per_delivery)
                         .await
                         .expect("the semaphore is never closed");
-                    let settle = self.settle_one(channel.clone(), delivery, lane);
+                    let settle = self.settle_one(channel.clone(), delivery, lane, tally.clone());
                     in_flight.spawn(async move {
                         settle.await;
-                        drop(permit);
+                        drop((permit, in_flight_here));
                     });
                     while in_flight.try_join_next().is_some() {}
                 }
@@ -273,7 +347,8 @@ where
     /// Deliveries left unacked by a lost channel come back from the broker, and the stack
     /// answers for what was already done.
     ///
-    /// Returns `Ok` at shutdown. Returns the error when retrying cannot fix it — the broker
+    /// Returns the report of the whole run (all its connections) at shutdown, or once
+    /// drained in drain mode ([`with_drain`](Runner::with_drain)). Returns the error when retrying cannot fix it — the broker
     /// refused the credentials, the virtual host or a declaration (a queue that exists with
     /// other arguments, say) — or when [`with_max_connect_failures`](Runner::with_max_connect_failures)
     /// attempts in a row failed before consuming ([`Error::ConnectGaveUp`]): a wrong address
@@ -283,17 +358,21 @@ where
         &self,
         mut connect: F,
         shutdown: &CancellationToken,
-    ) -> Result<(), Error>
+    ) -> Result<RunReport, Error>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<Connection, lapin::Error>>,
     {
+        let tally = Tally::new();
         let mut backoff = Duration::from_millis(100);
         let mut failures = 0;
         while !shutdown.is_cancelled() {
             let mut consumed = false;
-            match self.connect_and_run(&mut connect, shutdown, &mut consumed).await {
-                Ok(()) if shutdown.is_cancelled() => return Ok(()),
+            match self
+                .connect_and_run(&mut connect, shutdown, &tally, &mut consumed)
+                .await
+            {
+                Ok(()) if shutdown.is_cancelled() || tally.is_drained() => return Ok(tally.report()),
                 Ok(()) => tracing::warn!("consumer ended by the broker; reconnecting"),
                 // Only before consuming: once consuming, a channel the broker closed (an ack
                 // past its consumer timeout is PRECONDITION_FAILED too) is worth reconnecting.
@@ -316,10 +395,10 @@ where
                 .await
                 .is_none()
             {
-                return Ok(());
+                break;
             }
         }
-        Ok(())
+        Ok(tally.report())
     }
 
     /// One connection: connect, open a channel, declare the topology, then consume until
@@ -328,6 +407,7 @@ where
         &self,
         connect: &mut F,
         shutdown: &CancellationToken,
+        tally: &Tally,
         consumed: &mut bool,
     ) -> Result<(), Error>
     where
@@ -338,7 +418,7 @@ where
         let channel = connection.create_channel().await?;
         self.topology.declare(&channel).await?;
         *consumed = true;
-        let ran = self.run(&channel, shutdown).await;
+        let ran = self.run_tallied(&channel, shutdown, tally).await;
         let _ = connection.close(200, "oncely runner stopped".into()).await;
         ran
     }
@@ -351,6 +431,7 @@ where
         channel: Channel,
         delivery: AmqpDelivery,
         lane: Lane,
+        tally: Tally,
     ) -> impl Future<Output = ()> + Send + 'static {
         let route = self.route.clone();
         let topology = self.topology.clone();
@@ -368,45 +449,51 @@ where
             let decision = match lane {
                 Lane::Work if returns > 0 => Decision::ToSuspects,
                 Lane::Suspect if returns >= max_deliveries => Decision::Answer {
-                    action: BrokerAction::DeadLetter(DeadLetter {
+                    outcome: Outcome::DeadLetter(DeadLetter {
                         reason: DeadLetterReason::DeliveryLimit,
                         detail: format!(
                             "came back {returns} times without being settled: its consumer died or lost \
                              its channel, or the broker refused its retry copy, each time"
                         ),
                     }),
-                    wait: false,
                     attempt: delivery_attempt(&delivery),
                 },
                 Lane::Work | Lane::Suspect => {
                     let converted = to_delivery(&delivery, topology.queue());
                     let attempt = converted.attempt();
                     let outcome = route.handle(converted).await;
-                    let wait = outcome.retry_reason().is_some_and(RetryReason::is_wait);
-                    Decision::Answer {
-                        action: outcome.into_action(),
-                        wait,
-                        attempt,
-                    }
+                    Decision::Answer { outcome, attempt }
                 }
             };
-            settle.apply_until_settled(&decision).await;
+            if !settle.apply_until_settled(&decision).await {
+                tally.unsettled();
+                return;
+            }
+            match decision {
+                Decision::ToSuspects => tally.retried("returned_unsettled"),
+                Decision::Answer { outcome, .. } => tally.settled(&outcome),
+            }
         }
     }
+}
+
+/// What the lanes of one run share.
+#[derive(Clone, Copy)]
+struct Lanes<'a> {
+    channel: &'a Channel,
+    /// One pool for both lanes: a suspect takes every permit, so it runs alone.
+    permits: &'a Arc<Semaphore>,
+    /// Ends both lanes: cancelled by the run's shutdown, by a lane that ended, or by drain.
+    stop: &'a CancellationToken,
+    tally: &'a Tally,
 }
 
 /// How a delivery is to be settled.
 enum Decision {
     /// Moved to the suspect queue: it came back unsettled.
     ToSuspects,
-    /// Settled by the action of the stack's outcome (or the delivery limit's), at `attempt`;
-    /// `wait` when the retry waits for another holder of the key or entity
-    /// ([`RetryReason::is_wait`]).
-    Answer {
-        action: BrokerAction,
-        wait: bool,
-        attempt: u32,
-    },
+    /// Settled by the action of the stack's outcome (or the delivery limit's), at `attempt`.
+    Answer { outcome: Outcome, attempt: u32 },
 }
 
 /// The pauses before settling again in place when the broker did not confirm a copy (a
@@ -473,8 +560,9 @@ struct Settle<'a> {
 
 impl Settle<'_> {
     /// Settles by `decision`, again in place while the broker only failed to confirm, and
-    /// returns the delivery to its queue after [`SETTLE_RETRY_DELAY`] if it still cannot.
-    async fn apply_until_settled(&self, decision: &Decision) {
+    /// returns the delivery to its queue after [`SETTLE_RETRY_DELAY`] if it still cannot
+    /// (false).
+    async fn apply_until_settled(&self, decision: &Decision) -> bool {
         let mut settled = self.apply(decision).await;
         for pause in SETTLE_BACKOFF {
             match &settled {
@@ -494,17 +582,19 @@ impl Settle<'_> {
                 ..BasicNackOptions::default()
             };
             let _ = self.delivery.acker.nack(requeue).await;
+            return false;
         }
+        true
     }
 
     async fn apply(&self, decision: &Decision) -> Result<(), Error> {
         match decision {
             Decision::ToSuspects => self.to_suspects().await,
-            Decision::Answer {
-                action,
-                wait,
-                attempt,
-            } => self.action(action, *wait, *attempt).await,
+            Decision::Answer { outcome, attempt } => {
+                // A wait for another holder is not a failure: it keeps its attempt number.
+                let wait = outcome.retry_reason().is_some_and(RetryReason::is_wait);
+                self.action(&outcome.action(), wait, *attempt).await
+            }
         }
     }
 
@@ -516,7 +606,6 @@ impl Settle<'_> {
                 Ok(())
             }
             BrokerAction::Retry { delay } => {
-                // Waiting for another holder is not a failure: it keeps its attempt number.
                 let next = if wait { attempt } else { attempt.saturating_add(1) };
                 let queue = self.topology.retry_queue_for(*delay, attempt);
                 self.forward(&queue, copy_headers(self.delivery, next)).await

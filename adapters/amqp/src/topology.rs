@@ -36,16 +36,25 @@ use crate::error::Error;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     queue: String,
+    suspect_queue: String,
+    dead_letter_queue: String,
     retry_delays: Vec<Duration>,
+    /// The retry queues' names, in the order of `retry_delays`.
+    retry_queues: Vec<String>,
 }
 
 impl Topology {
     /// The topology of work queue `queue`, with retry delays of 1 s, 5 s, 30 s and 2 min.
     pub fn new(queue: impl Into<String>) -> Self {
+        let queue = queue.into();
         Topology {
-            queue: queue.into(),
-            retry_delays: [1, 5, 30, 120].map(Duration::from_secs).to_vec(),
+            suspect_queue: format!("{queue}.suspect"),
+            dead_letter_queue: format!("{queue}.dlq"),
+            retry_delays: Vec::new(),
+            retry_queues: Vec::new(),
+            queue,
         }
+        .with_retry_delays([1, 5, 30, 120].map(Duration::from_secs))
     }
 
     /// Sets the retry delays (whole milliseconds, at least 1 ms; an empty list keeps the
@@ -60,6 +69,10 @@ impl Topology {
         delays.sort();
         delays.dedup();
         if !delays.is_empty() {
+            self.retry_queues = delays
+                .iter()
+                .map(|delay| format!("{}.retry.{}ms", self.queue, delay.as_millis()))
+                .collect();
             self.retry_delays = delays;
         }
         self
@@ -75,38 +88,66 @@ impl Topology {
         &self.retry_delays
     }
 
-    /// The retry queue for `delay`.
-    pub fn retry_queue(&self, delay: Duration) -> String {
-        format!("{}.retry.{}ms", self.queue, delay.as_millis())
+    /// The retry queue for `delay`, if `delay` is one of the retry delays.
+    pub fn retry_queue(&self, delay: Duration) -> Option<&str> {
+        let position = self.retry_delays.iter().position(|known| *known == delay)?;
+        Some(&self.retry_queues[position])
+    }
+
+    /// The retry queues, shortest delay first.
+    pub fn retry_queues(&self) -> impl Iterator<Item = &str> {
+        self.retry_queues.iter().map(String::as_str)
     }
 
     /// The dead-letter queue.
-    pub fn dead_letter_queue(&self) -> String {
-        format!("{}.dlq", self.queue)
+    pub fn dead_letter_queue(&self) -> &str {
+        &self.dead_letter_queue
     }
 
     /// The suspect queue: messages that came back unsettled, handled one at a time.
-    pub fn suspect_queue(&self) -> String {
-        format!("{}.suspect", self.queue)
+    pub fn suspect_queue(&self) -> &str {
+        &self.suspect_queue
     }
 
     /// The retry queue a message at `attempt` goes to, given the delay its outcome suggests.
-    pub fn retry_queue_for(&self, suggested: Option<Duration>, attempt: u32) -> String {
-        let last = *self.retry_delays.last().expect("at least one retry delay");
-        let delay = match suggested {
+    pub fn retry_queue_for(&self, suggested: Option<Duration>, attempt: u32) -> &str {
+        let last = self.retry_delays.len() - 1;
+        let position = match suggested {
             Some(suggested) => self
                 .retry_delays
                 .iter()
-                .copied()
-                .find(|delay| *delay >= suggested)
+                .position(|delay| *delay >= suggested)
                 .unwrap_or(last),
-            None => self
-                .retry_delays
-                .get(attempt.saturating_sub(1) as usize)
-                .copied()
-                .unwrap_or(last),
+            None => (attempt.saturating_sub(1) as usize).min(last),
         };
-        self.retry_queue(delay)
+        &self.retry_queues[position]
+    }
+
+    /// The queues a message waits in before it is consumed: the work queue, the suspect
+    /// queue and the retry queues (not the dead-letter queue).
+    fn waiting_queues(&self) -> impl Iterator<Item = &str> {
+        [self.queue(), self.suspect_queue()]
+            .into_iter()
+            .chain(self.retry_queues())
+    }
+
+    /// How many messages are ready in the work, suspect and retry queues (a retry waiting
+    /// out its delay is ready in its retry queue), by a passive declaration of each on
+    /// `channel`. Messages delivered to a consumer and not yet acknowledged are not counted.
+    /// A queue that does not exist is an error (and closes `channel`, as the broker does).
+    pub async fn ready_messages(&self, channel: &Channel) -> Result<u64, Error> {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let mut ready = 0;
+        for queue in self.waiting_queues() {
+            let declared = channel
+                .queue_declare(queue.into(), passive, FieldTable::default())
+                .await?;
+            ready += u64::from(declared.message_count());
+        }
+        Ok(ready)
     }
 
     /// Declares every queue of the topology.
@@ -115,10 +156,10 @@ impl Topology {
             durable: true,
             ..QueueDeclareOptions::default()
         };
-        for queue in [self.queue.clone(), self.suspect_queue(), self.dead_letter_queue()] {
+        for queue in [self.queue(), self.suspect_queue(), self.dead_letter_queue()] {
             channel.queue_declare(queue.into(), durable, quorum()).await?;
         }
-        for delay in &self.retry_delays {
+        for (delay, queue) in self.retry_delays.iter().zip(self.retry_queues()) {
             let mut arguments = quorum();
             let mut set = |name: &str, value: AMQPValue| {
                 arguments.insert(name.into(), value);
@@ -134,18 +175,14 @@ impl Topology {
                 AMQPValue::LongString("at-least-once".into()),
             );
             set("x-overflow", AMQPValue::LongString("reject-publish".into()));
-            channel
-                .queue_declare(self.retry_queue(*delay).into(), durable, arguments)
-                .await?;
+            channel.queue_declare(queue.into(), durable, arguments).await?;
         }
         Ok(())
     }
 
     /// Deletes every queue of the topology, with the messages in them (tests, teardown).
     pub async fn delete(&self, channel: &Channel) -> Result<(), Error> {
-        let mut queues = vec![self.queue.clone(), self.suspect_queue(), self.dead_letter_queue()];
-        queues.extend(self.retry_delays.iter().map(|delay| self.retry_queue(*delay)));
-        for queue in queues {
+        for queue in self.waiting_queues().chain([self.dead_letter_queue()]) {
             channel
                 .queue_delete(queue.into(), QueueDeleteOptions::default())
                 .await?;
@@ -180,5 +217,11 @@ mod tests {
             "orders.retry.5000ms"
         );
         assert_eq!(topology.dead_letter_queue(), "orders.dlq");
+        assert_eq!(topology.suspect_queue(), "orders.suspect");
+        assert_eq!(
+            topology.retry_queue(Duration::from_secs(5)),
+            Some("orders.retry.5000ms")
+        );
+        assert_eq!(topology.retry_queue(Duration::from_secs(2)), None);
     }
 }

@@ -12,8 +12,8 @@ use crate::token::Token;
 pub struct FlagTicket {
     key: BusinessKey,
     fingerprint: Fingerprint,
-    /// The claim's token; `None` when a pre-filter found the key certainly new and the claim
-    /// was skipped.
+    /// The claim's token; `None` when the delivery went on without holding the claim (with
+    /// a record behind: the key was certainly new, or in flight elsewhere).
     claim: Option<Token>,
 }
 
@@ -27,12 +27,15 @@ impl<St: FlagStore> TierDecision for FlagLayer<St> {
 
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<FlagTicket>, StoreError> {
         let (key, fingerprint) = (envelope.key().clone(), envelope.fingerprint());
-        if self.skip_claim_when_certainly_new && envelope.is_certainly_new() {
-            return Ok(Enter::Proceed(FlagTicket {
+        let unclaimed = |key| {
+            Enter::Proceed(FlagTicket {
                 key,
                 fingerprint,
                 claim: None,
-            }));
+            })
+        };
+        if self.record_behind && envelope.is_certainly_new() {
+            return Ok(unclaimed(key));
         }
         let token = Token::random();
         Ok(match self.store.claim(&key, token, self.lease).await? {
@@ -41,6 +44,8 @@ impl<St: FlagStore> TierDecision for FlagLayer<St> {
                 fingerprint,
                 claim: Some(token),
             }),
+            // The record behind serialises the copies; the marker may be a dead consumer's.
+            Claim::InFlight if self.record_behind => unclaimed(key),
             Claim::InFlight => Enter::Stop(in_flight(Tier::Flag, &key, self.in_flight_delay)),
             Claim::Done(done) if fingerprint.matches(done) => {
                 Enter::Stop(Outcome::Duplicate { tier: Tier::Flag })

@@ -16,7 +16,7 @@ pub struct FlagLayer<St> {
     pub(super) retention: Duration,
     pub(super) in_flight_delay: Duration,
     pub(super) failure_policy: FailurePolicy,
-    pub(super) skip_claim_when_certainly_new: bool,
+    pub(super) record_behind: bool,
 }
 
 impl<St> FlagLayer<St> {
@@ -30,7 +30,7 @@ impl<St> FlagLayer<St> {
             retention: retention_for(retry_window),
             in_flight_delay: Duration::from_secs(1),
             failure_policy: FailurePolicy::FailOpen,
-            skip_claim_when_certainly_new: false,
+            record_behind: false,
         }
     }
 
@@ -50,15 +50,27 @@ impl<St> FlagLayer<St> {
         with_failure_policy(failure_policy: FailurePolicy);
     }
 
-    /// Lets an envelope that a pre-filter (feature `prefilter`) found certainly new skip the
-    /// claim: the tiers behind run at once, and once they settled the key it is marked done
-    /// (one round trip instead of two).
+    /// Declares that a durable record stands behind this flag, so the flag is a cache of
+    /// "done" in front of it rather than the key's lock. Two things change:
     ///
-    /// Only with a durable tier behind this flag (the record): the flag's claim is then a
-    /// lookup in a cache and the record's claim is the atomic one, which tells two copies of
-    /// a new key apart. With the flag as the only key tier, two such copies would both run.
-    pub fn skip_claim_when_certainly_new(mut self) -> Self {
-        self.skip_claim_when_certainly_new = true;
+    /// - **a key in flight does not stop the delivery**: it goes on to the record, whose
+    ///   claim is the atomic one. After a consumer crashes, the copies the broker delivers
+    ///   again find the dead consumer's in-flight markers and would otherwise wait out their
+    ///   lease ([`with_lease`](FlagLayer::with_lease), 30 s by default); with this they are
+    ///   handled at once. With the transactional record (`record::PgTransactionalLayer`) two
+    ///   live copies of a key are serialised by the key's row (the second waits for the
+    ///   first's transaction, then answers duplicate); with the three-step record, its own
+    ///   lease decides (`Conflict`, retried).
+    /// - an envelope a pre-filter (feature `prefilter`) found certainly new skips the claim:
+    ///   the tiers behind run at once, and once they settled the key it is marked done (one
+    ///   round trip instead of two).
+    ///
+    /// "Done" is still remembered only after the tiers behind settled the key, so a marker
+    /// never says done for an effect that was not committed. Without a record behind, do not
+    /// use this: the flag is then the only key tier, and two copies of a key in flight at
+    /// once would both run.
+    pub fn with_record_behind(mut self) -> Self {
+        self.record_behind = true;
         self
     }
 }

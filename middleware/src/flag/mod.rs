@@ -6,7 +6,7 @@
 //! | the key's marker | outcome |
 //! |---|---|
 //! | none | claimed: the tiers behind run |
-//! | in flight (another claim's lease is running) | [`RetryLater`](crate::Outcome::RetryLater), never an ack |
+//! | in flight (another claim's lease is running) | [`RetryLater`](crate::Outcome::RetryLater), never an ack; with a record behind ([`FlagLayer::with_record_behind`]) the tiers behind run, and the record decides |
 //! | done, same payload | [`Duplicate`](crate::Outcome::Duplicate) from [`Tier::Flag`](crate::Tier::Flag) |
 //! | done, other payload | [`DeadLetter`](crate::Outcome::DeadLetter): key reused with another payload |
 //!

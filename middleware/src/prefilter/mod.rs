@@ -6,7 +6,7 @@
 //! [`Verdict::CertainlyNew`] — it was never settled here — or [`Verdict::MaybeSeen`]. A
 //! certainly new envelope is marked ([`Envelope::is_certainly_new`](crate::Envelope::is_certainly_new)),
 //! and the tiers behind that support it skip their lookups: a [flag](crate::flag) configured with
-//! [`skip_claim_when_certainly_new`](crate::flag::FlagLayer::skip_claim_when_certainly_new)
+//! [`with_record_behind`](crate::flag::FlagLayer::with_record_behind)
 //! skips its Redis claim and only marks the key done afterwards. The durable tier's atomic
 //! claim (the [record](crate::record)) always runs: it stays the final word, so two copies
 //! of a new key that both look certainly new are still told apart there. "Maybe seen" goes

@@ -17,7 +17,8 @@ use tower_service::Service;
 /// `PgTransactionalLayer` (feature `postgres`) only wraps services that
 /// implement this trait, and such an order does not compile.
 ///
-/// Implemented for the handler ([`HandlerFn`](crate::HandlerFn)), the pre-filter tier and
+/// Implemented for the handlers ([`HandlerFn`](crate::HandlerFn),
+/// [`TypedHandler`](crate::handler::TypedHandler)), the pre-filter tier and
 /// tower's `Timeout`. Wrap any other
 /// service you have checked (a `tower::service_fn`, a boxed service) in
 /// [`AssertTransactionSafe`].
@@ -30,6 +31,7 @@ use tower_service::Service;
 pub trait TransactionSafe {}
 
 impl<F> TransactionSafe for crate::HandlerFn<F> {}
+impl<F, Context, Args> TransactionSafe for crate::handler::TypedHandler<F, Context, Args> {}
 #[cfg(feature = "prefilter")]
 // Every tier is a `TierService`; only the pre-filter's (which writes nothing) is safe. A
 // blanket impl over all decisions would let the flag, lock, state guard and records in.

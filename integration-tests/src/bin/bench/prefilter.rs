@@ -141,7 +141,7 @@ async fn measure(services: &Services, percent: usize, filter: Filter) -> Measure
         RedisFlagStore::new(redis_connection(&services.redis.url()).await).with_prefix(unique("bench")),
         Duration::from_secs(600),
     )
-    .skip_claim_when_certainly_new();
+    .with_record_behind();
     let records = PgTransactionalLayer::new(services.schema_pool.clone(), services.schema.records());
     let handler = handler_fn(|envelope: Envelope| async move { insert_stock_move(&envelope).await });
     let bodies = bodies(&name, percent);

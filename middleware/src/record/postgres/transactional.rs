@@ -12,6 +12,7 @@ use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch, to
 use crate::backend::postgres::{Checkout, Table};
 use crate::envelope::Envelope;
 use crate::error::StoreError;
+use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::TransactionSafe;
 use crate::record::decision::fencing_token;
@@ -24,29 +25,37 @@ use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 /// `ROLLBACK` and no error, which the client does not show.
 const COMMIT_CHECKED: &str = "SAVEPOINT oncely_commit_check; COMMIT";
 
-/// The open transaction of the delivery being handled, as the handler finds it in the
-/// envelope's [extensions](crate::Envelope::extensions).
+/// The open transaction of the delivery being handled: the argument a typed handler built by
+/// [`PgTransactionalLayer::handler`] takes to write its effect.
 ///
-/// Write the business effect through [`client`](PgTransaction::client): it runs inside the
-/// transaction that also holds the key's record, and commits only if the stack answers
-/// processed. Do not `COMMIT` or `ROLLBACK` it yourself, and do not keep it after the
-/// handler returns. A statement that fails aborts the whole transaction: returning `Ok`
-/// after ignoring such an error does not make the delivery processed — the tier sees the
-/// aborted transaction at commit and answers [`RetryLater`](crate::Outcome::RetryLater)
-/// with [`RetryReason::HandlerFailed`].
+/// It dereferences to the connection's `tokio_postgres::Client`: statements run through it
+/// (`tx.execute(..)`, `tx.query(..)`, and anything taking a `GenericClient`, such as
+/// [`StatusColumns`](crate::postgres::StatusColumns)) run inside the transaction that also
+/// holds the key's record, and commit only if the stack answers processed. Do not `COMMIT`
+/// or `ROLLBACK` it yourself, and do not keep it after the handler returns (a clone kept past
+/// the answer commits nothing). A statement that fails aborts the whole transaction:
+/// returning `Ok` after ignoring such an error does not make the delivery processed — the
+/// tier sees the aborted transaction at commit and answers
+/// [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`].
 ///
 /// ```no_run
-/// # use oncely::{Envelope, HandlerError};
+/// use oncely::{BusinessKey, HandlerError};
 /// use oncely::record::PgTransaction;
 ///
-/// async fn deduct_stock(envelope: Envelope) -> Result<(), HandlerError> {
-///     let tx = envelope.extensions().get::<PgTransaction>().expect("PgTransactionalLayer in front");
-///     tx.client()
-///         .execute("UPDATE stock SET quantity = quantity - 1 WHERE sku = $1", &[&"sku-1"])
+/// async fn deduct_stock(tx: PgTransaction, order: BusinessKey) -> Result<(), HandlerError> {
+///     tx.execute("UPDATE stock SET quantity = quantity - 1 WHERE sku = $1", &[&"sku-1"])
+///         .await?;
+///     tx.execute("INSERT INTO stock_moves (order_id) VALUES ($1)", &[&order.as_str()])
 ///         .await?;
 ///     Ok(())
 /// }
+/// # fn stack(pool: oncely::postgres::deadpool_postgres::Pool, table: oncely::postgres::Table) {
+/// let service = oncely::record::PgTransactionalLayer::new(pool, table).handler(deduct_stock);
+/// # }
 /// ```
+///
+/// An untyped handler ([`handler_fn`](crate::handler_fn)) behind the layer finds it in the
+/// envelope's [extensions](crate::Envelope::extensions).
 #[derive(Clone)]
 pub struct PgTransaction(Arc<Checkout>);
 
@@ -54,6 +63,30 @@ impl PgTransaction {
     /// The connection, inside the open transaction.
     pub fn client(&self) -> &deadpool_postgres::Client {
         self.0.client()
+    }
+}
+
+impl std::ops::Deref for PgTransaction {
+    type Target = deadpool_postgres::tokio_postgres::Client;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.client()
+    }
+}
+
+/// Only a handler built by [`PgTransactionalLayer::handler`] takes the transaction: that
+/// layer wraps it directly, so the transaction is always there. Should it be missing all
+/// the same, the delivery is retried, never run outside a transaction.
+impl crate::handler::Argument<InTransaction> for PgTransaction {
+    fn take(envelope: &Envelope) -> Result<Self, Outcome> {
+        envelope
+            .extensions()
+            .get::<PgTransaction>()
+            .cloned()
+            .ok_or_else(|| {
+                let detail = "no transaction: the handler is not behind PgTransactionalLayer";
+                Outcome::retry_later(RetryReason::HandlerFailed, detail, None)
+            })
     }
 }
 
@@ -166,6 +199,22 @@ impl PgTransactionalLayer {
             table,
             in_flight_delay: Duration::from_secs(1),
         }
+    }
+
+    /// The typed handler `f` behind this tier: an `async fn` whose arguments are taken from
+    /// the envelope as for [`handler`](crate::handler()) — [`Json<T>`](crate::Json),
+    /// [`BusinessKey`](crate::BusinessKey), [`Delivery`](crate::Delivery) — and which may also
+    /// take the open transaction, [`PgTransaction`], to write its effect in it. Put the
+    /// result where the handler goes: `ServiceBuilder::new().layer(flag).service(records.handler(f))`.
+    ///
+    /// Only a handler built here can take the transaction, so a handler that needs it
+    /// cannot end up without it: taking `PgTransaction` in [`handler`](crate::handler()) is a
+    /// compile error.
+    pub fn handler<F, Args>(&self, f: F) -> TierService<TypedHandler<F, InTransaction, Args>, Self>
+    where
+        F: Handler<InTransaction, Args>,
+    {
+        TierService::new(typed(f), self.clone())
     }
 
     setters! {
