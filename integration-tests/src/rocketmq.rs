@@ -83,6 +83,11 @@ impl ScratchRocketMq {
         }
     }
 
+    /// The client runtime the test's producer and consumers run on.
+    pub fn runtime(&self) -> &OwnedClientRuntime {
+        &self.runtime
+    }
+
     /// The test's started producer.
     pub fn producer(&self) -> Arc<DefaultMQProducer> {
         self.producer.clone()

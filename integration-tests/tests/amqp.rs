@@ -141,7 +141,7 @@ async fn five_thousand_messages_with_thirty_percent_duplicates_over_four_consume
     }
     fixture.assert_each_order_once(ORDERS).await;
     assert!(
-        drain(&watch, &fixture.topology.dead_letter_queue())
+        drain(&watch, fixture.topology.dead_letter_queue())
             .await
             .is_empty(),
         "nothing dead-lettered"
@@ -359,11 +359,11 @@ async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let dlq = topology.dead_letter_queue();
     run_until(flaky_route(0, seen.clone(), 16), &topology, async || {
-        ready_messages(&channel, &dlq).await == 3
+        ready_messages(&channel, dlq).await == 3
     })
     .await;
 
-    let dead = drain(&channel, &dlq).await;
+    let dead = drain(&channel, dlq).await;
     assert_eq!(dead.len(), 3);
     for message in &dead {
         let message_id = message
@@ -411,7 +411,7 @@ async fn a_retry_is_redelivered_after_its_delay_and_processed_once() {
         vec![1, 2],
         "first delivery, then the retry as attempt 2"
     );
-    assert_eq!(ready_messages(&channel, &topology.dead_letter_queue()).await, 0);
+    assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
     topology.delete(&channel).await.unwrap();
 }
 
@@ -422,10 +422,10 @@ async fn exhausted_attempts_go_to_the_dead_letter_queue() {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let dlq = topology.dead_letter_queue();
     run_until(flaky_route(u32::MAX, seen.clone(), 3), &topology, async || {
-        ready_messages(&channel, &dlq).await == 1
+        ready_messages(&channel, dlq).await == 1
     })
     .await;
-    let dead = drain(&channel, &dlq).await;
+    let dead = drain(&channel, dlq).await;
     dead_letter::assert_metadata(
         |name| header_text(&dead[0], name),
         &dead_letter::Expected {

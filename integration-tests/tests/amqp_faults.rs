@@ -138,12 +138,12 @@ async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_pa
     let (shutdown, running) = start(runner, &unique("oncely-test-panics"));
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(30), || async {
-        ready_messages(&channel, &dlq).await == 5 && runs.keys_starting("ok") == 3
+        ready_messages(&channel, dlq).await == 5 && runs.keys_starting("ok") == 3
     })
     .await;
     stop(shutdown, running).await;
 
-    for message in drain(&channel, &dlq).await {
+    for message in drain(&channel, dlq).await {
         assert_dead_letter(&message, &topology, "attempts_exhausted", 2, "panics");
         let detail = header_text(&message, oncely::dead_letter::DETAIL).unwrap();
         assert!(detail.contains("panicked: bug in the handler"), "{detail}");
@@ -202,13 +202,13 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
     };
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(60), || async {
-        ready_messages(&channel, &dlq).await == 1 && runs.keys_starting("ok") == 20
+        ready_messages(&channel, dlq).await == 1 && runs.keys_starting("ok") == 20
     })
     .await;
     stop(shutdown, running).await;
     killer.abort();
 
-    let dead = drain(&channel, &dlq).await;
+    let dead = drain(&channel, dlq).await;
     assert_eq!(dead.len(), 1, "only the poison message is dead-lettered");
     // Three crashes with a retry (attempt + 1) after each of the first two.
     assert_dead_letter(&dead[0], &topology, "delivery_limit", 3, "crash-loop");
@@ -253,14 +253,14 @@ async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter
     };
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(30), || async {
-        ready_messages(&channel, &dlq).await == 1
+        ready_messages(&channel, dlq).await == 1
     })
     .await;
     // Nothing runs the stack again once the message is dead-lettered.
     tokio::time::sleep(Duration::from_millis(500)).await;
     shutdown.cancel();
     running.await.unwrap();
-    let dead = drain(&channel, &dlq).await;
+    let dead = drain(&channel, dlq).await;
     // Its retry copy never left: every run was attempt 1.
     assert_dead_letter(&dead[0], &topology, "delivery_limit", 1, "unroutable");
     assert_eq!(runs.of("o-1"), 3, "the stack ran a bounded number of times");
@@ -308,11 +308,11 @@ async fn waiting_for_another_holder_uses_up_no_attempts() {
     let (shutdown, running) = start(Runner::new(route, topology.clone()), &unique("oncely-test-waits"));
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(30), || async {
-        ready_messages(&channel, &dlq).await == 1
+        ready_messages(&channel, dlq).await == 1
     })
     .await;
     stop(shutdown, running).await;
-    let dead = drain(&channel, &dlq).await;
+    let dead = drain(&channel, dlq).await;
     assert_dead_letter(&dead[0], &topology, "attempts_exhausted", 3, "waits");
     assert_eq!(
         *attempts.lock().unwrap(),

@@ -130,22 +130,38 @@ async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
 
 #[tokio::test]
 async fn a_handler_that_ends_the_transaction_itself_is_retried() {
-    let (schema, pool) = stock_schema(4).await;
-    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
-        insert_stock_move(&envelope).await?;
-        the_transaction(&envelope)
-            .client()
-            .batch_execute("ROLLBACK")
-            .await?;
-        Ok::<(), HandlerError>(())
-    });
-    let outcome = route.handle(order("o-1")).await;
-    assert_eq!(
-        outcome.retry_reason(),
-        Some(RetryReason::HandlerFailed),
-        "{outcome}"
-    );
-    assert_eq!(moves_of(&schema, "o-1").await, 0);
+    // A write then "ROLLBACK"; or "ROLLBACK; BEGIN" then a write, which would commit
+    // without the key's record and be applied again by the retry: the commit checks the
+    // transaction is still the one that claimed the key. (A write after a bare "ROLLBACK"
+    // commits on its own at once: nothing can take that back.)
+    for (ending, write_first) in [("ROLLBACK", true), ("ROLLBACK; BEGIN", false)] {
+        let (schema, pool) = stock_schema(4).await;
+        let first = Arc::new(AtomicUsize::new(0));
+        let route = transactional(&pool, &schema, move |envelope: Envelope| {
+            let misbehaves = first.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if write_first || !misbehaves {
+                    insert_stock_move(&envelope).await?;
+                }
+                if misbehaves {
+                    the_transaction(&envelope).client().batch_execute(ending).await?;
+                    if !write_first {
+                        insert_stock_move(&envelope).await?;
+                    }
+                }
+                Ok::<(), HandlerError>(())
+            }
+        });
+        let outcome = route.handle(order("o-1")).await;
+        assert_eq!(
+            outcome.retry_reason(),
+            Some(RetryReason::HandlerFailed),
+            "{ending}: {outcome}"
+        );
+        assert_eq!(moves_of(&schema, "o-1").await, 0, "{ending}");
+        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{ending}");
+        assert_eq!(moves_of(&schema, "o-1").await, 1, "{ending}: applied once");
+    }
 }
 
 /// What a faulty first call does after writing the stock move.

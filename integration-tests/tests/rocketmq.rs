@@ -8,14 +8,14 @@ use std::time::Duration;
 use integration_tests::dead_letter;
 use integration_tests::outcomes::OutcomeLog;
 use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
-use integration_tests::rocketmq::{ScratchRocketMq, property};
+use integration_tests::rocketmq::{ScratchRocketMq, namesrv_addr, property};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine};
-use oncely::{Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
+use oncely::{BusinessKey, Delivery, Envelope, HandlerError, Json, KeyExtractor, Outcome, Route, handler_fn};
 use oncely_rocketmq::rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
-use oncely_rocketmq::{ConcurrentListener, OrderlyListener};
+use oncely_rocketmq::{ConcurrentListener, GroupLag, OrderlyListener};
 use tokio::runtime::Handle;
 use tower::ServiceBuilder;
 
@@ -177,6 +177,84 @@ async fn a_reconsume_later_comes_back_with_reconsume_times_plus_one_and_credits_
         1
     );
     assert_eq!(schema.count("SELECT count(*) FROM points").await, 1);
+    rocketmq.shutdown().await;
+}
+
+/// A payment as the typed handler takes it.
+#[derive(serde::Deserialize)]
+struct Payment {
+    amount: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_listener_ends_after_the_brokers_retry_and_reports_what_it_did() {
+    const ORDERS: usize = 10;
+    let schema = points_schema().await;
+    let mut rocketmq = ScratchRocketMq::new("drain").await;
+    for order in 0..ORDERS {
+        let key = format!("order_{order}");
+        rocketmq
+            .send(rocketmq.message(Some(&key), &payment_body(order)))
+            .await;
+        // A re-sent order: a new message id, the same KEYS.
+        rocketmq
+            .send(rocketmq.message(Some(&key), &payment_body(order)))
+            .await;
+    }
+    rocketmq
+        .send(rocketmq.message(Some("bad-1"), b"not a payment"))
+        .await;
+
+    // order_3 fails its first attempt: the broker brings it back after 10 s, which the drain
+    // must wait for.
+    let credit = |tx: PgTransaction, key: BusinessKey, delivery: Delivery, Json(payment): Json<Payment>| async move {
+        if key.as_str() == "order_3" && delivery.attempt() == 1 {
+            return Err(HandlerError::transient("the points service is down"));
+        }
+        let attempt = i32::try_from(delivery.attempt())?;
+        tx.execute(
+            "INSERT INTO points (order_id, attempt) VALUES ($1, $2)",
+            &[&format!("{key}:{}", payment.amount), &attempt],
+        )
+        .await?;
+        Ok::<(), HandlerError>(())
+    };
+    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"));
+    let records = PgTransactionalLayer::new(schema_pool(schema.name(), 4), schema.records());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLayer::new(flags, Duration::from_secs(600)).with_record_behind())
+        .service(records.handler(credit));
+    let route = Route::new("credit_points", KeyExtractor::broker_key(), stack);
+    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let progress = listener.progress();
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    let lag = GroupLag::start(rocketmq.runtime(), &namesrv_addr(), &group, &topic)
+        .await
+        .unwrap();
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+
+    let report = tokio::time::timeout(
+        Duration::from_secs(120),
+        progress.wait_until_drained(Duration::from_secs(2), &lag),
+    )
+    .await
+    .expect("the group drains");
+    println!("{report}");
+    assert!(report.drained);
+    assert_eq!(report.processed, ORDERS as u64);
+    assert_eq!(report.duplicates.values().sum::<u64>(), ORDERS as u64);
+    assert_eq!(report.retries, [("handler_failed".to_owned(), 1)].into());
+    assert_eq!(report.dead_letters, [("bad_body", 1)].into());
+    assert_eq!(progress.awaiting_retry(), 0);
+    assert_eq!(schema.count("SELECT count(*) FROM points").await, ORDERS as i64);
+    assert_eq!(
+        schema
+            .count("SELECT count(*) FROM points WHERE order_id LIKE 'order_3:%' AND attempt = 2")
+            .await,
+        1,
+        "order_3 was credited by the broker's retry, before the drain ended"
+    );
+    lag.shutdown().await;
     rocketmq.shutdown().await;
 }
 

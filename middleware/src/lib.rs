@@ -136,7 +136,7 @@ pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use envelope::{BusinessKey, Delivery, Envelope, Extensions, Headers, Position, Source};
 pub use error::{BoxError, ConfigError, Error, InputError, StoreError};
 pub use fingerprint::{Fingerprint, FingerprintPolicy};
-pub use handler::{Classify, ErrorClass, HandlerError, HandlerFn, Json, handler, handler_fn};
+pub use handler::{Classify, ErrorClass, HandlerError, HandlerFn, Json, ResultExt, handler, handler_fn};
 pub use key::{DEFAULT_MAX_KEY_LEN, KeyExtractor, KeyField};
 pub use outcome::{BrokerAction, Outcome, RetryLater, RetryReason};
 /// The `redis` crate the Redis backends are built on, for making their connections.

@@ -33,9 +33,12 @@ pub struct RunReport {
     pub retries: BTreeMap<String, u64>,
     /// Deliveries dead-lettered, by reason code (`bad_body`, `rejected`, …).
     pub dead_letters: BTreeMap<&'static str, u64>,
-    /// Deliveries the runner could not settle (the broker did not take the retry or dead
-    /// letter copy) and handed back to the broker unacknowledged, to come again.
+    /// Deliveries the runner answered but could not settle with the broker (an ack that
+    /// failed, a retry or dead-letter copy the broker did not take): they come again.
     pub unsettled: u64,
+    /// Deliveries still running when a shutdown's grace ran out, left unacknowledged: they
+    /// come again.
+    pub abandoned: u64,
     /// From the start of the run to the report.
     pub wall_time: Duration,
     /// True when the run ended because it was drained (drain mode), false when it was shut
@@ -87,7 +90,8 @@ impl fmt::Display for RunReport {
         writeln!(f, "  stale         {}", self.stale)?;
         line(f, "retries", self.retries.iter().map(|(k, v)| (k.as_str(), *v)))?;
         line(f, "dead letters", self.dead_letters.iter().map(|(k, v)| (*k, *v)))?;
-        write!(f, "  unsettled     {}", self.unsettled)
+        writeln!(f, "  unsettled     {}", self.unsettled)?;
+        write!(f, "  abandoned     {}", self.abandoned)
     }
 }
 
@@ -159,6 +163,11 @@ impl Tally {
     /// Counts a delivery handed back to the broker unsettled.
     pub fn unsettled(&self) {
         self.lock().unsettled += 1;
+    }
+
+    /// Counts `deliveries` left running at shutdown, unacknowledged.
+    pub fn abandoned(&self, deliveries: usize) {
+        self.lock().abandoned += deliveries as u64;
     }
 
     /// How long nothing has been in flight and nothing arrived; `None` while a delivery is

@@ -178,9 +178,13 @@ where
     /// delay counts as not drained), seen at two checks in a row. The report then says
     /// `drained`. For batch jobs, tests and examples that must know when a backlog is done.
     ///
-    /// Limit: it sees this runner's deliveries and the queues' ready messages; deliveries
-    /// another consumer holds unacknowledged are invisible to it (should that consumer die,
-    /// they come back to the queue after the run ended).
+    /// Limits: it sees this runner's deliveries and the queues' ready messages. Deliveries
+    /// another consumer holds unacknowledged are invisible to it, and so are the deliveries
+    /// of a connection this runner lost until the broker notices the loss (heartbeat
+    /// timeout): should they come back after the run ended, they wait in the queue for the
+    /// next run. The check declares the queues passively on the runner's channel: a queue of
+    /// the topology deleted under it closes the channel (the runner then reconnects and
+    /// declares it again).
     pub fn with_drain(mut self, idle: Duration) -> Self {
         self.drain_after = Some(idle);
         self
@@ -243,7 +247,7 @@ where
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         // Prefetch applies per consumer to the consumers started after it.
         channel.basic_qos(1, BasicQosOptions::default()).await?;
-        let suspects = consume(channel, &self.topology.suspect_queue()).await?;
+        let suspects = consume(channel, self.topology.suspect_queue()).await?;
         // When one lane ends (shutdown, a failed channel), the other stops too.
         let stop = shutdown.child_token();
         // One pool of permits for both lanes: a suspect takes them all, so it runs alone and
@@ -336,6 +340,7 @@ where
                 abandoned = in_flight.len(),
                 "shutdown grace ran out; abandoning deliveries unacked for redelivery"
             );
+            tally.abandoned(in_flight.len());
             in_flight.shutdown().await;
         }
         ended
@@ -608,7 +613,7 @@ impl Settle<'_> {
             BrokerAction::Retry { delay } => {
                 let next = if wait { attempt } else { attempt.saturating_add(1) };
                 let queue = self.topology.retry_queue_for(*delay, attempt);
-                self.forward(&queue, copy_headers(self.delivery, next)).await
+                self.forward(queue, copy_headers(self.delivery, next)).await
             }
             BrokerAction::DeadLetter(dead) => {
                 let mut headers = copy_headers(self.delivery, attempt);
@@ -622,7 +627,7 @@ impl Settle<'_> {
                 for (name, value) in dead.metadata(&context) {
                     headers.insert(name.into(), AMQPValue::LongString(value.into()));
                 }
-                self.forward(&self.topology.dead_letter_queue(), headers).await
+                self.forward(self.topology.dead_letter_queue(), headers).await
             }
         }
     }
@@ -630,7 +635,7 @@ impl Settle<'_> {
     /// Moves a delivery that came back unsettled to the suspect queue, keeping its attempt.
     async fn to_suspects(&self) -> Result<(), Error> {
         let headers = copy_headers(self.delivery, delivery_attempt(self.delivery));
-        self.forward(&self.topology.suspect_queue(), headers).await
+        self.forward(self.topology.suspect_queue(), headers).await
     }
 
     /// Publishes a copy of the delivery to `queue` with `headers`, waits for the broker's

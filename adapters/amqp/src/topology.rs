@@ -123,12 +123,12 @@ impl Topology {
         &self.retry_queues[position]
     }
 
-    /// The queues a message waits in before it is consumed: the work queue, the suspect
-    /// queue and the retry queues (not the dead-letter queue).
+    /// The queues a message waits in before it is consumed, in the order it moves through
+    /// them: the retry queues, the work queue, the suspect queue (not the dead-letter
+    /// queue). Counted in this order, a message moving on while they are counted is counted
+    /// in its next queue rather than missed.
     fn waiting_queues(&self) -> impl Iterator<Item = &str> {
-        [self.queue(), self.suspect_queue()]
-            .into_iter()
-            .chain(self.retry_queues())
+        self.retry_queues().chain([self.queue(), self.suspect_queue()])
     }
 
     /// How many messages are ready in the work, suspect and retry queues (a retry waiting

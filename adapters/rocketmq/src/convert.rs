@@ -41,7 +41,7 @@ pub fn to_delivery(message: &MessageExt) -> Delivery {
     }) {
         delivery = delivery.with_broker_key(key.as_bytes().to_vec());
     }
-    if let Some(id) = property(MessageConst::PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) {
+    if let Some(id) = unique_id(message) {
         delivery = delivery.with_message_id(id);
     }
     if let Some(tags) = property(MessageConst::PROPERTY_TAGS) {
@@ -54,6 +54,14 @@ pub fn to_delivery(message: &MessageExt) -> Delivery {
         delivery = delivery.with_position(Position { queue, offset });
     }
     delivery
+}
+
+/// The producer's unique id of `message` (`UNIQ_KEY`), which its retries keep.
+pub(crate) fn unique_id(message: &MessageExt) -> Option<&str> {
+    let id = message
+        .properties()
+        .get(MessageConst::PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX)?;
+    Some(id.as_str())
 }
 
 #[cfg(test)]

@@ -26,6 +26,9 @@ impl Error {
     /// True when trying again may succeed: every failure here is about the broker or the
     /// connection, except a runtime that cannot be built.
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, Error::Runtime(_))
+        match self {
+            Error::Client(_) | Error::NotStored(_) | Error::NoSendResult => true,
+            Error::Runtime(_) => false,
+        }
     }
 }

@@ -42,12 +42,14 @@
 
 mod convert;
 mod dead_letter;
+mod drain;
 mod error;
 mod listener;
 mod runtime;
 
 pub use convert::to_delivery;
 pub use dead_letter::DeadLetterTopic;
+pub use drain::{GroupLag, Progress};
 pub use error::Error;
 pub use listener::{ConcurrentListener, OrderlyListener};
 pub use runtime::{LISTENER_CONCURRENCY, LISTENER_QUEUE_DEPTH, OwnedClientRuntime};

@@ -14,6 +14,7 @@ use tower_service::Service;
 
 use crate::convert::to_delivery;
 use crate::dead_letter::DeadLetterTopic;
+use crate::drain::Progress;
 
 /// A [`MessageListenerConcurrently`] that runs each message through a route's stack.
 ///
@@ -47,6 +48,8 @@ use crate::dead_letter::DeadLetterTopic;
 /// inside [`block_in_place`](tokio::task::block_in_place) when the call comes on a
 /// multi-threaded runtime's worker, or from a helper thread on any other runtime's, so it
 /// works on either kind of thread.
+///
+/// Its [`progress`](ConcurrentListener::progress) gives the run's report and drain mode.
 pub struct ConcurrentListener<S> {
     settler: Settler<S>,
 }
@@ -74,8 +77,15 @@ impl<S> ConcurrentListener<S> {
                 route,
                 runtime,
                 dead_letters,
+                progress: Progress::default(),
             },
         }
+    }
+
+    /// What this listener has done since it was made, and drain mode
+    /// ([`Progress::wait_until_drained`]); keep it before registering the listener.
+    pub fn progress(&self) -> Progress {
+        self.settler.progress.clone()
     }
 }
 
@@ -87,8 +97,15 @@ impl<S> OrderlyListener<S> {
                 route,
                 runtime,
                 dead_letters,
+                progress: Progress::default(),
             },
         }
+    }
+
+    /// What this listener has done since it was made, and drain mode
+    /// ([`Progress::wait_until_drained`]); keep it before registering the listener.
+    pub fn progress(&self) -> Progress {
+        self.settler.progress.clone()
     }
 }
 
@@ -104,23 +121,31 @@ where
         _context: &ConsumeConcurrentlyContext,
     ) -> ClientResult<ConsumeConcurrentlyStatus> {
         let settler = &self.settler;
+        let _in_flight = settler.arrived(messages);
         let retry = block_on(&settler.runtime, async {
             let mut retry = false;
             for message in messages {
                 let started = std::time::Instant::now();
                 retry |= loop {
-                    match settler.settle(message).await {
-                        Settled::Done => break false,
-                        Settled::Wait { delay } if started.elapsed() < WAIT_IN_PLACE => {
-                            tokio::time::sleep(delay.unwrap_or(Duration::from_millis(100))).await;
-                        }
-                        _ => break true,
+                    let (settled, outcome) = settler.settle(message).await;
+                    if let Settled::Wait { delay } = settled
+                        && started.elapsed() < WAIT_IN_PLACE
+                    {
+                        tokio::time::sleep(delay.unwrap_or(Duration::from_millis(100))).await;
+                        continue;
                     }
+                    settler.count(&settled, &outcome);
+                    break match settled {
+                        Settled::Done => false,
+                        Settled::Wait { .. } | Settled::Retry { .. } => true,
+                    };
                 };
             }
             retry
         });
         Ok(if retry {
+            // RocketMQ's status is per batch: every message of it comes back.
+            settler.progress.sent_back(messages);
             ConsumeConcurrentlyStatus::ReconsumeLater
         } else {
             ConsumeConcurrentlyStatus::ConsumeSuccess
@@ -140,17 +165,23 @@ where
         context: &mut ConsumeOrderlyContext,
     ) -> ClientResult<ConsumeOrderlyStatus> {
         let settler = &self.settler;
+        let _in_flight = settler.arrived(messages);
         let retry = block_on(&settler.runtime, async {
-            for message in messages {
-                if let Settled::Retry { delay } | Settled::Wait { delay } = settler.settle(message).await {
-                    return Some(delay);
+            for (position, message) in messages.iter().enumerate() {
+                let (settled, outcome) = settler.settle(message).await;
+                settler.count(&settled, &outcome);
+                if let Settled::Retry { delay } | Settled::Wait { delay } = settled {
+                    return Some((position, delay));
                 }
             }
             None
         });
         Ok(match retry {
             None => ConsumeOrderlyStatus::Success,
-            Some(delay) => {
+            Some((position, delay)) => {
+                // The client holds the queue and delivers this message and the ones after it
+                // again.
+                settler.progress.sent_back(&messages[position..]);
                 if let Some(delay) = delay {
                     let millis = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
                     context.set_suspend_current_queue_time_millis(millis);
@@ -206,6 +237,7 @@ struct Settler<S> {
     route: Route<S>,
     runtime: Handle,
     dead_letters: DeadLetterTopic,
+    progress: Progress,
 }
 
 impl<S> Settler<S>
@@ -214,7 +246,27 @@ where
     S::Error: Into<BoxError>,
     S::Future: Send,
 {
-    async fn settle(&self, message: &MessageExt) -> Settled {
+    /// Notes a batch's messages as arrived; they are in flight until the guards drop.
+    fn arrived(&self, messages: &[&MessageExt]) -> Vec<oncely::report::InFlight> {
+        messages
+            .iter()
+            .map(|message| self.progress.arrived(message))
+            .collect()
+    }
+
+    /// Counts one message's final settlement in the run's report.
+    fn count(&self, settled: &Settled, outcome: &Outcome) {
+        let tally = self.progress.tally();
+        match (settled, outcome) {
+            // The dead letter could not be stored: the message comes back unsettled.
+            (Settled::Retry { .. }, Outcome::DeadLetter(_)) => tally.unsettled(),
+            _ => tally.settled(outcome),
+        }
+    }
+
+    /// Runs one message through the route and settles it; returns the settlement and the
+    /// stack's outcome.
+    async fn settle(&self, message: &MessageExt) -> (Settled, Outcome) {
         let delivery = to_delivery(message);
         let topic = delivery.source().name.clone();
         let attempt = delivery.attempt();
@@ -222,7 +274,7 @@ where
         // The route's own span already logs the outcome.
         let outcome = self.route.handle(delivery).await;
         let wait = outcome.retry_reason().is_some_and(RetryReason::is_wait);
-        match outcome.into_action() {
+        let settled = match outcome.action() {
             BrokerAction::Ack => Settled::Done,
             BrokerAction::Retry { delay } if wait => Settled::Wait { delay },
             BrokerAction::Retry { delay } => Settled::Retry { delay },
@@ -235,7 +287,8 @@ where
                 };
                 self.dead_letter(message, &dead, &context).await
             }
-        }
+        };
+        (settled, outcome)
     }
 
     /// Writes the dead letter and settles the message: acknowledged once the broker stored

@@ -80,6 +80,11 @@ impl<St: FlagStore> TierDecision for FlagLayer<St> {
         // the durable tier behind. So the outcome stands.
         match updated {
             Ok(true) => {}
+            // With a record behind, a copy that went on without the claim may have marked
+            // the key done first: an ordinary race, not a lost lease.
+            Ok(false) if self.record_behind => {
+                tracing::debug!(%key, settled, "flag claim replaced by another copy's done marker")
+            }
             Ok(false) => {
                 tracing::warn!(%key, settled, "flag claim was lost before it was settled (lease ran out?)")
             }

@@ -56,11 +56,13 @@ impl<St> FlagLayer<St> {
     /// - **a key in flight does not stop the delivery**: it goes on to the record, whose
     ///   claim is the atomic one. After a consumer crashes, the copies the broker delivers
     ///   again find the dead consumer's in-flight markers and would otherwise wait out their
-    ///   lease ([`with_lease`](FlagLayer::with_lease), 30 s by default); with this they are
-    ///   handled at once. With the transactional record (`record::PgTransactionalLayer`) two
-    ///   live copies of a key are serialised by the key's row (the second waits for the
-    ///   first's transaction, then answers duplicate); with the three-step record, its own
-    ///   lease decides (`Conflict`, retried).
+    ///   lease ([`with_lease`](FlagLayer::with_lease), 30 s by default); with this they go
+    ///   on at once. With the transactional record (`record::PgTransactionalLayer`), which
+    ///   holds no lease (a dead consumer's transaction rolls back with its connection), they
+    ///   are handled at once, and two live copies of a key are serialised by the key's row:
+    ///   the second waits for the first's transaction, holding a pooled connection, then
+    ///   answers duplicate. The three-step record's claim and a lock have leases of their
+    ///   own, which such copies then wait out instead (`InFlight(Record)`, `LockBusy`).
     /// - an envelope a pre-filter (feature `prefilter`) found certainly new skips the claim:
     ///   the tiers behind run at once, and once they settled the key it is marked done (one
     ///   round trip instead of two).

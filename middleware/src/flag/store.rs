@@ -43,7 +43,9 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
 
     /// Marks `key` "done with `fingerprint`" for `retention` without a claim, replacing any
     /// marker: for a delivery the durable tier behind has already settled without the flag
-    /// claiming it (a pre-filter (feature `prefilter`) found the key certainly new).
+    /// holding the claim (with [`FlagLayer::with_record_behind`](crate::flag::FlagLayer::with_record_behind):
+    /// a pre-filter (feature `prefilter`) found the key certainly new, or another copy held
+    /// the claim).
     fn mark_done(
         &self,
         key: &BusinessKey,

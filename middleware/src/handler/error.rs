@@ -14,7 +14,7 @@ pub enum ErrorClass {
     /// connection. The delivery is retried.
     Transient,
     /// It fails the same way on every try: a body that does not parse, a value out of range,
-    /// a constraint the data breaks. The delivery is dead-lettered at once.
+    /// a required field missing. The delivery is dead-lettered at once.
     Permanent,
 }
 
@@ -29,9 +29,10 @@ pub enum ErrorClass {
 /// | `serde_json::Error` | permanent (the input is not what the schema says), except an I/O failure while reading |
 /// | `std::num::ParseIntError`, `ParseFloatError`, `TryFromIntError`, `std::str::Utf8Error`, `std::string::FromUtf8Error` | permanent |
 /// | [`InputError`](crate::InputError) | permanent |
-/// | `tokio_postgres::Error` (feature `postgres`) | permanent for SQLSTATE classes 22 (data exception: a number out of range, bad text) and 23 (integrity: unique, check, not null), except 23503 (foreign key: the row it refers to may arrive later); transient otherwise (connection, serialization failure, deadlock, lock timeout, and 42: a bug a deploy fixes) |
+/// | `tokio_postgres::Error` (feature `postgres`) | permanent for SQLSTATE class 22 (data exception: a number out of range, text that is not a number or date) and 23502 (a `NOT NULL` column left empty); transient otherwise: connection, serialization failure, deadlock, lock timeout, 42 (a bug a deploy fixes), and the other integrity violations, which depend on what the data is now and may pass later (23505 unique: a concurrent writer; 23514 check, such as `balance >= 0`: a credit not yet applied; 23503 foreign key: a row not yet written) |
 /// | `std::io::Error`, `tokio::time::error::Elapsed`, [`StoreError`](crate::StoreError), `deadpool_postgres::PoolError`, `redis::RedisError` | transient |
 /// | [`oncely::Error`](crate::Error) | permanent for bad input, transient otherwise |
+/// | [`BoxError`] | as its concrete type above, when it is one of them; transient otherwise |
 ///
 /// For an error type of your own, implement it: the default is transient, the safe side (a
 /// transient failure is retried until the route's attempts run out, then dead-lettered as
@@ -58,9 +59,12 @@ pub enum ErrorClass {
 /// }
 /// ```
 ///
-/// [`HandlerError::permanent`] and [`HandlerError::transient`] decide explicitly for one
-/// error, whatever its type says.
-pub trait Classify: std::error::Error + Send + Sync + 'static {
+/// The orphan rule keeps you from implementing it for another crate's error type
+/// (`reqwest::Error`, `anyhow::Error`): classify such a result at the call with
+/// [`ResultExt`] (`client.get(url).send().await.transient()?`), or convert the error into a
+/// [`BoxError`] first. [`HandlerError::permanent`] and [`HandlerError::transient`] decide
+/// explicitly for one error, whatever its type says.
+pub trait Classify: Into<BoxError> {
     /// Whether trying again can change this failure; transient unless overridden.
     fn class(&self) -> ErrorClass {
         ErrorClass::Transient
@@ -167,6 +171,35 @@ pub(super) fn outcome_of<E: Into<HandlerError>>(answer: Result<(), E>) -> Outcom
     }
 }
 
+/// Classifies a result's error at the call: for error types that do not implement
+/// [`Classify`] (another crate's), or to decide against what their type says.
+///
+/// ```
+/// use oncely::{HandlerError, ResultExt};
+///
+/// fn parse_amount(text: &str) -> Result<u64, HandlerError> {
+///     let amount = text.trim().parse::<u64>().permanent()?;
+///     Ok(amount)
+/// }
+/// # assert!(parse_amount("x").unwrap_err().is_permanent());
+/// ```
+pub trait ResultExt<T> {
+    /// The error, if any, as a transient failure: the delivery is retried.
+    fn transient(self) -> Result<T, HandlerError>;
+    /// The error, if any, as a permanent failure: the delivery is dead-lettered.
+    fn permanent(self) -> Result<T, HandlerError>;
+}
+
+impl<T, E: Into<BoxError>> ResultExt<T> for Result<T, E> {
+    fn transient(self) -> Result<T, HandlerError> {
+        self.map_err(HandlerError::transient)
+    }
+
+    fn permanent(self) -> Result<T, HandlerError> {
+        self.map_err(HandlerError::permanent)
+    }
+}
+
 /// Errors that say the input is wrong: the same input fails the same way every time.
 macro_rules! permanent {
     ($($error:ty),* $(,)?) => {
@@ -200,6 +233,32 @@ impl Classify for crate::Error {
     }
 }
 
+/// A boxed error is classified as its concrete type, when that is one of the types above.
+impl Classify for BoxError {
+    fn class(&self) -> ErrorClass {
+        macro_rules! as_one_of {
+            ($($error:ty),* $(,)?) => {
+                $(if let Some(error) = self.downcast_ref::<$error>() {
+                    return error.class();
+                })*
+            };
+        }
+        as_one_of!(
+            serde_json::Error,
+            std::num::ParseIntError,
+            std::num::ParseFloatError,
+            std::num::TryFromIntError,
+            std::str::Utf8Error,
+            std::string::FromUtf8Error,
+            crate::InputError,
+            crate::Error,
+        );
+        #[cfg(feature = "postgres")]
+        as_one_of!(deadpool_postgres::tokio_postgres::Error);
+        ErrorClass::Transient
+    }
+}
+
 impl Classify for serde_json::Error {
     fn class(&self) -> ErrorClass {
         match self.classify() {
@@ -224,8 +283,7 @@ impl Classify for deadpool_postgres::tokio_postgres::Error {
             return ErrorClass::Transient;
         };
         let code = state.code();
-        let data_or_integrity = code.starts_with("22") || code.starts_with("23");
-        if data_or_integrity && code != "23503" {
+        if code.starts_with("22") || code == "23502" {
             ErrorClass::Permanent
         } else {
             ErrorClass::Transient
@@ -255,6 +313,10 @@ mod tests {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
         assert_eq!(class_of(io), ErrorClass::Transient);
         assert_eq!(class_of(crate::StoreError::malformed("x")), ErrorClass::Transient);
+        let boxed: BoxError = Box::new("x".parse::<u8>().unwrap_err());
+        assert_eq!(class_of(boxed), ErrorClass::Permanent);
+        let boxed: BoxError = "a message".into();
+        assert_eq!(class_of(boxed), ErrorClass::Transient);
     }
 
     #[test]

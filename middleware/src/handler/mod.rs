@@ -38,7 +38,7 @@ mod typed;
 mod untyped;
 
 use error::outcome_of;
-pub use error::{Classify, ErrorClass, HandlerError};
+pub use error::{Classify, ErrorClass, HandlerError, ResultExt};
 pub use extract::{Argument, FromEnvelope, InTransaction, Json, Plain};
 #[cfg(feature = "postgres")]
 pub(crate) use typed::typed;

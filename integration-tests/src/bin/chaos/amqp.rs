@@ -68,7 +68,7 @@ impl Amqp {
 
     /// Takes every message from the dead-letter queue and sorts it, then deletes the queues.
     pub(crate) async fn finish(self) -> DeadLetters {
-        let messages = drain(&self.channel, &self.topology.dead_letter_queue()).await;
+        let messages = drain(&self.channel, self.topology.dead_letter_queue()).await;
         let dead = DeadLetters::sort(messages.iter().map(|message| {
             let code = reason_code(|name| header(message, name));
             (code, &message.delivery.data[..])

@@ -30,7 +30,7 @@ pub(crate) type ConsumerCommand = (&'static str, Vec<String>, Vec<(&'static str,
 /// when the run is quiet, where dead letters are read.
 pub(crate) enum Broker {
     /// RabbitMQ: the run's queues.
-    Amqp(amqp::Amqp),
+    Amqp(Box<amqp::Amqp>),
     /// RocketMQ: the run's topics and client.
     RocketMq(Box<rocketmq::RocketMq>),
 }
@@ -39,7 +39,7 @@ impl Broker {
     /// The run's queues or topics, made ready on `kind`.
     pub(crate) async fn start(kind: BrokerKind) -> Self {
         match kind {
-            BrokerKind::Amqp => Broker::Amqp(amqp::Amqp::start().await),
+            BrokerKind::Amqp => Broker::Amqp(Box::new(amqp::Amqp::start().await)),
             BrokerKind::RocketMq => Broker::RocketMq(Box::new(rocketmq::RocketMq::start().await)),
         }
     }

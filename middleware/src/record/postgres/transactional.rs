@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use deadpool_postgres::tokio_postgres::SimpleQueryMessage;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
 
@@ -19,11 +20,18 @@ use crate::record::decision::fencing_token;
 use crate::record::store::RecordStatus;
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
-/// Ends the transaction, but only if it is still open and not aborted: `SAVEPOINT` fails
-/// outside a transaction block and in an aborted one, and the rest of a simple query is
-/// skipped after a failure. A plain `COMMIT` of an aborted transaction answers with the tag
-/// `ROLLBACK` and no error, which the client does not show.
-const COMMIT_CHECKED: &str = "SAVEPOINT oncely_commit_check; COMMIT";
+/// Opens the transaction and names it: its id, assigned at once, is what the commit checks.
+const BEGIN_NAMED: &str = "BEGIN; SELECT pg_current_xact_id()";
+
+/// Ends the transaction `xid`, but only if it is still open, not aborted, and still the one
+/// that claimed the key: `SAVEPOINT` fails outside a transaction block and in an aborted one,
+/// the division fails (22012) in another transaction (the handler ran `ROLLBACK; BEGIN`,
+/// which would commit its effect without the key's record), and the rest of a simple query
+/// is skipped after a failure. A plain `COMMIT` of an aborted transaction answers with the
+/// tag `ROLLBACK` and no error, which the client does not show.
+fn commit_checked(xid: &str) -> String {
+    format!("SAVEPOINT oncely_commit_check; SELECT 1 / (pg_current_xact_id() = '{xid}'::xid8)::int; COMMIT")
+}
 
 /// The open transaction of the delivery being handled: the argument a typed handler built by
 /// [`PgTransactionalLayer::handler`] takes to write its effect.
@@ -32,8 +40,10 @@ const COMMIT_CHECKED: &str = "SAVEPOINT oncely_commit_check; COMMIT";
 /// (`tx.execute(..)`, `tx.query(..)`, and anything taking a `GenericClient`, such as
 /// [`StatusColumns`](crate::postgres::StatusColumns)) run inside the transaction that also
 /// holds the key's record, and commit only if the stack answers processed. Do not `COMMIT`
-/// or `ROLLBACK` it yourself, and do not keep it after the handler returns (a clone kept past
-/// the answer commits nothing). A statement that fails aborts the whole transaction:
+/// or `ROLLBACK` it yourself: the tier notices (below), but a write after your own `COMMIT`
+/// or `ROLLBACK` runs outside any transaction and commits at once, which nothing can take
+/// back. Do not keep it after the handler returns (a clone kept past the answer commits
+/// nothing). A statement that fails aborts the whole transaction:
 /// returning `Ok` after ignoring such an error does not make the delivery processed — the
 /// tier sees the aborted transaction at commit and answers
 /// [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`].
@@ -116,8 +126,10 @@ impl fmt::Debug for PgTransaction {
 /// separate statement. A commit whose answer is lost may have committed: the redelivery then
 /// finds `SUCCESS` and is a duplicate, so nothing is applied twice either way.
 ///
-/// The tier checks that its `COMMIT` really committed: a transaction that a handler's
-/// ignored statement error aborted, or that the handler ended itself, is answered
+/// The tier checks that its `COMMIT` really committed the transaction that claimed the key:
+/// a transaction that a handler's ignored statement error aborted, that the handler ended
+/// itself, or that it replaced with another (`ROLLBACK; BEGIN`, whose writes would commit
+/// without the key's record), is rolled back and answered
 /// [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`], never
 /// processed. A connection goes back to the pool only after an explicit `COMMIT` or
 /// `ROLLBACK` succeeded on it: when the stack's future is dropped (a `tower` timeout in
@@ -245,6 +257,8 @@ impl<S: TransactionSafe> Layer<S> for PgTransactionalLayer {
 /// behind panicked), its connection is closed and the server rolls the transaction back.
 pub struct PgTransactionalTicket {
     transaction: Arc<Checkout>,
+    /// The transaction's id (`pg_current_xact_id()`), digits only.
+    xid: String,
     request: ClaimRequest,
 }
 
@@ -270,7 +284,7 @@ impl TierDecision for PgTransactionalLayer {
             lease: None,
         };
         let transaction = Arc::new(Checkout::get(&self.pool).await?);
-        transaction.client().batch_execute("BEGIN").await?;
+        let xid = begin_named(&transaction).await?;
         let claim = claim_batch(
             transaction.client(),
             &self.statements,
@@ -289,7 +303,11 @@ impl TierDecision for PgTransactionalLayer {
             Ok(_) => {
                 let handle = PgTransaction(transaction.clone());
                 envelope.extensions_mut().insert(handle);
-                Ok(Enter::Proceed(PgTransactionalTicket { transaction, request }))
+                Ok(Enter::Proceed(PgTransactionalTicket {
+                    transaction,
+                    xid,
+                    request,
+                }))
             }
             Err(stop) => {
                 end(transaction, "ROLLBACK").await;
@@ -301,9 +319,13 @@ impl TierDecision for PgTransactionalLayer {
     /// Commits when the tiers behind settled the key, and proves it; rolls back otherwise,
     /// and notes the failure on the key's row.
     async fn exit(&self, ticket: PgTransactionalTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
-        let PgTransactionalTicket { transaction, request } = ticket;
+        let PgTransactionalTicket {
+            transaction,
+            xid,
+            request,
+        } = ticket;
         let failure = if outcome.is_settled() {
-            match commit(transaction).await {
+            match commit(transaction, &xid).await {
                 Ok(()) => return Ok(outcome),
                 Err(failed) => failed,
             }
@@ -339,7 +361,7 @@ impl PgTransactionalLayer {
 
 /// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
 /// connection lost, when nobody knows; the redelivery then finds out from the record).
-async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
+async fn commit(transaction: Arc<Checkout>, xid: &str) -> Result<(), Outcome> {
     // The envelope, and every handle to the transaction in it, is gone once the stack has
     // answered; a handle still alive (kept in a spawned task, say) could write after the
     // commit, outside the record.
@@ -351,7 +373,7 @@ async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
             None,
         ));
     }
-    let error = match transaction.client().batch_execute(COMMIT_CHECKED).await {
+    let error = match transaction.client().batch_execute(&commit_checked(xid)).await {
         Ok(()) => {
             transaction.mark_clean();
             return Ok(());
@@ -362,13 +384,18 @@ async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
         // Dropping the connection unmarked closes it: the commit's fate is unknown.
         return Err(store_unavailable(Tier::Record, &StoreError::new(error)));
     };
-    if code == &SqlState::IN_FAILED_SQL_TRANSACTION || code == &SqlState::NO_ACTIVE_SQL_TRANSACTION {
+    let ended_by_the_handler = [
+        SqlState::IN_FAILED_SQL_TRANSACTION,
+        SqlState::NO_ACTIVE_SQL_TRANSACTION,
+        SqlState::DIVISION_BY_ZERO,
+    ];
+    if ended_by_the_handler.contains(code) {
         end(transaction, "ROLLBACK").await;
         return Err(Outcome::retry_later(
             RetryReason::HandlerFailed,
             format!(
-                "nothing was committed: a statement of the handler failed and aborted the transaction \
-                 (or the handler ended it itself) although the handler answered success: {error}"
+                "the record was not committed: a statement of the handler failed and aborted the \
+                 transaction, or the handler ended it itself, although it answered success: {error}"
             ),
             None,
         ));
@@ -388,6 +415,22 @@ async fn commit(transaction: Arc<Checkout>) -> Result<(), Outcome> {
         format!("the commit was refused, nothing was committed: {error}"),
         None,
     ))
+}
+
+/// `BEGIN`s on `transaction` and returns the new transaction's id.
+async fn begin_named(transaction: &Checkout) -> Result<String, StoreError> {
+    let answers = transaction.client().simple_query(BEGIN_NAMED).await?;
+    let xid = answers.iter().find_map(|answer| match answer {
+        SimpleQueryMessage::Row(row) => row.get(0),
+        _ => None,
+    });
+    // Only digits go into the commit's text.
+    match xid {
+        Some(xid) if !xid.is_empty() && xid.bytes().all(|byte| byte.is_ascii_digit()) => Ok(xid.to_owned()),
+        _ => Err(StoreError::malformed(format!(
+            "pg_current_xact_id() answered {xid:?}"
+        ))),
+    }
 }
 
 /// Ends the transaction with `statement`; the connection goes back to the pool only if that

@@ -1,0 +1,148 @@
+//! A listener's run report, and drain mode: knowing when a consumer group has consumed
+//! everything, its retries included.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use oncely::report::{InFlight, RunReport, Tally};
+use rocketmq_client_rust::{DefaultMQAdminExt, MQAdminReadExt};
+use rocketmq_model::common::message::message_ext::MessageExt;
+
+use crate::convert::unique_id;
+use crate::error::Error;
+use crate::runtime::OwnedClientRuntime;
+
+/// What a listener ([`ConcurrentListener`](crate::ConcurrentListener),
+/// [`OrderlyListener`](crate::OrderlyListener)) has done since it was made, shared with the
+/// listener (cheap to clone): the counts of a [`RunReport`], the messages in flight, and the
+/// messages it sent back for a retry that have not come back yet.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    tally: Tally,
+    /// `UNIQ_KEY`s of messages sent back (`ReconsumeLater`, a suspended orderly queue) and
+    /// not seen again: the broker holds them in its schedule topic, where no offset shows
+    /// them as pending for the group.
+    awaiting_retry: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Progress {
+    /// The report so far.
+    pub fn report(&self) -> RunReport {
+        self.tally.report()
+    }
+
+    /// How many messages this listener sent back for a retry that have not come back yet.
+    pub fn awaiting_retry(&self) -> usize {
+        self.awaiting().len()
+    }
+
+    /// Waits until the group is drained, then returns the report (marked `drained`):
+    /// nothing in flight in this listener, nothing arrived for `idle`, none of the messages
+    /// it sent back still awaited, and `lag` finds no message of the topic or the group's
+    /// retry topic unconsumed, at two checks in a row.
+    ///
+    /// The consumer commits its offsets to the broker every 5 s (the client's persist
+    /// interval): the lag lags by as much, so a drain ends 5–10 s after the last message at
+    /// the earliest. A message the broker moves to its own `%DLQ%` group after
+    /// maxReconsumeTimes never comes back, and drain mode then never ends: keep the route's
+    /// maximum attempts at or below maxReconsumeTimes + 1, as the listeners' docs say. With
+    /// several consumer processes in the group, each waits for the whole group's lag, but
+    /// sees only its own sent-back messages.
+    pub async fn wait_until_drained(&self, idle: Duration, lag: &GroupLag) -> RunReport {
+        let drained =
+            || async { self.awaiting().is_empty() && lag.pending().await.is_ok_and(|pending| pending == 0) };
+        self.tally.wait_until_drained(idle, drained).await;
+        self.report()
+    }
+
+    pub(crate) fn tally(&self) -> &Tally {
+        &self.tally
+    }
+
+    /// A message arrived: in flight until the guard drops, and no longer awaited.
+    pub(crate) fn arrived(&self, message: &MessageExt) -> InFlight {
+        if let Some(id) = unique_id(message) {
+            self.awaiting().remove(id);
+        }
+        self.tally.arrived()
+    }
+
+    /// Messages the listener sends back for a retry: awaited until they arrive again.
+    pub(crate) fn sent_back(&self, messages: &[&MessageExt]) {
+        let mut awaiting = self.awaiting();
+        awaiting.extend(
+            messages
+                .iter()
+                .filter_map(|message| unique_id(message))
+                .map(str::to_owned),
+        );
+    }
+
+    fn awaiting(&self) -> MutexGuard<'_, HashSet<String>> {
+        // Nothing panics while holding the lock; a poisoned set is still the right set.
+        self.awaiting_retry
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// How many messages a consumer group has not consumed yet, of its topic and of its retry
+/// topic (`%RETRY%<group>`), from the broker's consume stats (an admin client on the
+/// listener's client runtime).
+pub struct GroupLag {
+    admin: DefaultMQAdminExt,
+    group: String,
+    topics: [String; 2],
+}
+
+impl GroupLag {
+    /// Starts an admin client for `group` consuming `topic`, through the name server at
+    /// `name_server`.
+    pub async fn start(
+        runtime: &OwnedClientRuntime,
+        name_server: &str,
+        group: &str,
+        topic: &str,
+    ) -> Result<GroupLag, Error> {
+        // One admin group per client instance: a fresh name lets several run side by side.
+        let admin_group = format!("oncely_lag_{}", oncely::Token::random());
+        let mut admin = DefaultMQAdminExt::with_admin_ext_group(runtime.client_runtime(), admin_group);
+        admin.set_namesrv_addr(name_server);
+        admin.start().await?;
+        Ok(GroupLag {
+            admin,
+            group: group.to_owned(),
+            topics: [topic.to_owned(), format!("%RETRY%{group}")],
+        })
+    }
+
+    /// Messages the broker holds for the group beyond its committed offsets, in the topic
+    /// and its retry topic (a queue the group never committed an offset on counts whole).
+    pub async fn pending(&self) -> Result<u64, Error> {
+        let stats = MQAdminReadExt::examine_consume_stats(
+            &self.admin,
+            self.group.as_str().into(),
+            None,
+            None,
+            None,
+            Some(3_000),
+        )
+        .await?;
+        let pending = stats
+            .get_offset_table()
+            .iter()
+            .filter(|(queue, _)| self.topics.iter().any(|topic| topic == queue.topic_str()))
+            .map(|(_, offsets)| {
+                let consumed = offsets.get_consumer_offset().max(0);
+                u64::try_from(offsets.get_broker_offset() - consumed).unwrap_or(0)
+            })
+            .sum();
+        Ok(pending)
+    }
+
+    /// Stops the admin client.
+    pub async fn shutdown(mut self) {
+        self.admin.shutdown().await;
+    }
+}
