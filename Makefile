@@ -22,13 +22,15 @@ CHAOS_SHORT = --messages 4000 --keys 800 --rate 400 --fault-every-ms 800 --handl
 CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --fault-every-ms 1000 \
 	--handler-faults 2 --poison 2 --time-limit-s 300
 
-## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks and the
-## short chaos runs (RabbitMQ, then RocketMQ).
+## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks, the
+## README's first consumer (as the README runs it) and the short chaos runs (RabbitMQ, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
+	$(CARGO) run -q -p first-consumer --bin send-red-packets; \
+	$(CARGO) run -q -p first-consumer --bin first-consumer | tee /dev/stderr | grep '^drained' >/dev/null; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT_ROCKETMQ); \
 	awk '/^test result:/ { passed += $$4; failed += $$6 } \

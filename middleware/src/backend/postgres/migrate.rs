@@ -8,8 +8,8 @@ use crate::error::StoreError;
 const CONSUMPTION_RECORD: &str = include_str!("../../../migrations/consumption_record.sql");
 const ENTITY_STATE: &str = include_str!("../../../migrations/entity_state.sql");
 
-/// Creates the consumption record table `table` and its indexes if they do not exist. The
-/// schema must exist already: create it beforehand (`CREATE SCHEMA IF NOT EXISTS …`).
+/// Creates the consumption record table `table` and its indexes, and the table's schema,
+/// if they do not exist (the connecting role needs the right to create them).
 ///
 /// Idempotent, and safe when several consumers start at once: the statements run in one
 /// transaction under an advisory lock.
@@ -17,8 +17,8 @@ pub async fn migrate(pool: &Pool, table: &Table) -> Result<(), StoreError> {
     run_migration(pool, &table.render(CONSUMPTION_RECORD)).await
 }
 
-/// Creates the entity state table `table` for [`PgStateStore`](crate::state_guard::PgStateStore)
-/// if it does not exist: `entity_id TEXT PRIMARY KEY, status TEXT, version BIGINT,
+/// Creates the entity state table `table` for [`PgStateStore`](crate::state_guard::PgStateStore),
+/// and its schema, if they do not exist: `entity_id TEXT PRIMARY KEY, status TEXT, version BIGINT,
 /// updated_at TIMESTAMPTZ`. Idempotent.
 pub async fn migrate_state(pool: &Pool, table: &Table) -> Result<(), StoreError> {
     run_migration(pool, &table.render(ENTITY_STATE)).await

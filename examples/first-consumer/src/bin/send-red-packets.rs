@@ -1,0 +1,36 @@
+//! Run with: `cargo run -p first-consumer --bin send-red-packets`
+//!
+//! Sends 100 red packets for 10 users to the `red-packets` queue, then 30 duplicates of them
+//! and one packet whose amount is not a number. Packet ids are new on every run.
+
+use first_consumer::{QUEUE, amqp};
+use oncely_amqp::{Producer, Topology};
+
+#[tokio::main]
+async fn main() -> Result<(), oncely_amqp::Error> {
+    let connection = amqp().await?;
+    Topology::new(QUEUE)
+        .declare(&connection.create_channel().await?)
+        .await?;
+    let producer = Producer::new(connection);
+    let run = oncely::Token::random();
+    let packet = |n: usize| {
+        format!(
+            r#"{{"packetId":"{run}-{n}","user":"user_{}","cents":{}}}"#,
+            n % 10,
+            100 + n
+        )
+    };
+    for n in 0..100 {
+        producer.publish("", QUEUE, packet(n).as_bytes(), None).await?;
+    }
+    for n in 0..30 {
+        producer
+            .publish("", QUEUE, packet(n * 3).as_bytes(), None)
+            .await?;
+    }
+    let malformed = format!(r#"{{"packetId":"{run}-x","user":"user_1","cents":"ten"}}"#);
+    producer.publish("", QUEUE, malformed.as_bytes(), None).await?;
+    println!("sent 100 red packets, 30 duplicates and 1 malformed packet to {QUEUE}");
+    Ok(())
+}
