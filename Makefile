@@ -60,13 +60,16 @@ bench: services
 ## The fault-injection ledger run: 50,000 messages over 10,000 keys and 5 poison messages
 ## through four consumers in two processes while consumers are killed, Redis restarted and
 ## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
-## swallows a failed statement on 0.5 % of calls each; then the same with the Redis flag
+## swallows a failed statement on 0.5 % of calls each; then the same through the red-packet
+## shape (the flag with the record behind it, the record, no lock); then with the Redis flag
 ## alone; then 10,000 messages over 2,000 keys through RocketMQ on the rocketmq-points stack,
-## with the broker restarted instead of connections dropped. Fails if a full stack misses,
+## with the broker restarted instead of connections dropped. Each report says how long the
+## consumers took to drain after the last consumer kill. Fails if a full stack misses,
 ## doubles or half-applies a key, does not dead-letter a poison message, or stalls for a
 ## 5-second window.
 chaos: services
 	$(CARGO) build --release -p integration-tests --bins
 	$(TARGET_DIR)/release/chaos
+	$(TARGET_DIR)/release/chaos --stack flag-record
 	$(TARGET_DIR)/release/chaos --stack flag-only --report-only
 	$(TARGET_DIR)/release/chaos --broker rocketmq

@@ -131,6 +131,32 @@ pub fn orders_route(
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
+/// The lease of [`flag_record_orders_route`]'s flag: long, so that a recovery that waited
+/// for it would be plain to see.
+pub const FLAG_RECORD_LEASE: Duration = Duration::from_secs(60);
+
+/// The red-packet shape of the stock-deduction route: the Redis flag with the record behind
+/// it (lease [`FLAG_RECORD_LEASE`]) in front of the PostgreSQL record in transactional mode,
+/// no lock, to the handler inserting one `stock_moves` row per order in the record's
+/// transaction.
+pub fn flag_record_orders_route(
+    pool: Pool,
+    records: Table,
+    redis: ConnectionManager,
+    prefix: &str,
+) -> Route<impl crate::RouteStack<Infallible> + use<>> {
+    let handler =
+        handler_fn(|envelope: Envelope| async move { crate::postgres::insert_stock_move(&envelope).await });
+    let flag = orders_flag(redis, prefix)
+        .with_lease(FLAG_RECORD_LEASE)
+        .with_record_behind();
+    let stack = ServiceBuilder::new()
+        .layer(flag)
+        .layer(PgTransactionalLayer::new(pool, records))
+        .service(handler);
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
 /// The weaker stack for comparison: only the Redis flag in front of a handler that inserts
 /// the `stock_moves` row on its own (no record, no transaction). What Redis forgets — a
 /// flush, a restart, a crash between the handler and the flag's completion — it applies

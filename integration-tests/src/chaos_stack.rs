@@ -295,17 +295,21 @@ pub enum ChaosStack {
     Full,
     /// The Redis flag alone, for comparison: [`chaos_flag_only_route`].
     FlagOnly,
+    /// The Redis flag with the record behind it and the PostgreSQL record, no lock:
+    /// [`chaos_flag_record_route`].
+    FlagRecord,
 }
 
 impl ChaosStack {
     /// Every stack.
-    pub const ALL: [ChaosStack; 2] = [ChaosStack::Full, ChaosStack::FlagOnly];
+    pub const ALL: [ChaosStack; 3] = [ChaosStack::Full, ChaosStack::FlagOnly, ChaosStack::FlagRecord];
 
     /// The stack as command lines name it.
     pub fn name(self) -> &'static str {
         match self {
             ChaosStack::Full => "full",
             ChaosStack::FlagOnly => "flag-only",
+            ChaosStack::FlagRecord => "flag-record",
         }
     }
 }
@@ -339,7 +343,7 @@ pub fn chaos_orders_route(
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = timeout_and_flag(redis.clone(), prefix)
+    let stack = timeout_and_flag(redis.clone(), prefix, false)
         .layer(
             LockLayer::new(
                 RedisLockStore::new(redis).with_prefix(prefix),
@@ -356,10 +360,10 @@ pub fn chaos_orders_route(
 /// The RocketMQ chaos route, shaped as `examples/rocketmq-points`' `credit-points`: keyed by
 /// the message's KEYS in the namespace `credit_points`, with a [`DELIVERY_LIMIT`] counted in
 /// the Redis of `deliveries` (RocketMQ does not count the redeliveries of a consumer that
-/// died), through a `tower::timeout` outermost, the Redis flag (on `redis`) and the
-/// PostgreSQL record in transactional mode, to the chaos handler writing in the record's
-/// transaction. `pool`'s connections must search the run's schema first; Redis keys start
-/// with `prefix`.
+/// died), through a `tower::timeout` outermost, the Redis flag (on `redis`, with the record
+/// behind it) and the PostgreSQL record in transactional mode, to the chaos handler writing
+/// in the record's transaction. `pool`'s connections must search the run's schema first;
+/// Redis keys start with `prefix`.
 pub fn chaos_points_route(
     pool: Pool,
     records: Table,
@@ -368,7 +372,7 @@ pub fn chaos_points_route(
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = timeout_and_flag(redis, prefix)
+    let stack = timeout_and_flag(redis, prefix, true)
         .layer(PgTransactionalLayer::new(pool, records))
         .service(handler_service(Effects::InRecordTransaction, faults));
     Route::new(
@@ -391,7 +395,24 @@ pub fn chaos_flag_only_route(
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = timeout_and_flag(redis, prefix).service(handler_service(Effects::Autocommit(pool), faults));
+    let stack =
+        timeout_and_flag(redis, prefix, false).service(handler_service(Effects::Autocommit(pool), faults));
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The red-packet shape with the same timeout and handler faults: the Redis flag with the
+/// record behind it ([`FlagLayer::with_record_behind`]) in front of the PostgreSQL record in
+/// transactional mode, no lock, to the chaos handler writing in the record's transaction.
+pub fn chaos_flag_record_route(
+    pool: Pool,
+    records: Table,
+    redis: ConnectionManager,
+    prefix: &str,
+    faults: HandlerFaults,
+) -> Route<impl crate::RouteStack<BoxError> + use<>> {
+    let stack = timeout_and_flag(redis, prefix, true)
+        .layer(PgTransactionalLayer::new(pool, records))
+        .service(handler_service(Effects::InRecordTransaction, faults));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
@@ -417,6 +438,7 @@ type ChaosFlag = FlagLayer<RedisFlagStore<ConnectionManager>>;
 fn timeout_and_flag(
     redis: ConnectionManager,
     prefix: &str,
+    record_behind: bool,
 ) -> ServiceBuilder<Stack<ChaosFlag, Stack<TimeoutLayer, Identity>>> {
     let flag = FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix(prefix),
@@ -424,6 +446,11 @@ fn timeout_and_flag(
     )
     .with_lease(LEASE)
     .with_in_flight_delay(Duration::from_millis(100));
+    let flag = if record_behind {
+        flag.with_record_behind()
+    } else {
+        flag
+    };
     ServiceBuilder::new()
         .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
         .layer(flag)

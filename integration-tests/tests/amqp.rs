@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use integration_tests::amqp::{
-    close_connections_named, connect, drain, header_text, orders_route, ready_messages, scratch_topology,
+    FLAG_RECORD_LEASE, close_connections_named, connect, drain, header_text, orders_route, ready_messages,
+    scratch_topology,
 };
 use integration_tests::dead_letter;
 use integration_tests::postgres::schema_pool;
@@ -78,6 +79,19 @@ impl OrdersFixture {
             topology,
             prefix: unique("oncely-test"),
         }
+    }
+
+    /// Starts an `amqp_consumer` process on the fixture's queue, schema and Redis prefix,
+    /// with `extra` arguments after those (the stack, the connection name, `--drain-ms`).
+    fn consumer_process(&self, extra: &[&str]) -> ConsumerProcess {
+        ConsumerProcess(
+            std::process::Command::new(env!("CARGO_BIN_EXE_amqp_consumer"))
+                .args([self.topology.queue(), self.schema.name(), &self.prefix])
+                .args(extra)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("the consumer process starts"),
+        )
     }
 
     async fn moves(&self) -> i64 {
@@ -256,16 +270,7 @@ async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twi
     let producer = Producer::new(connect().await.unwrap());
     publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
 
-    let start = || {
-        ConsumerProcess(
-            std::process::Command::new(env!("CARGO_BIN_EXE_amqp_consumer"))
-                .args([fixture.topology.queue(), fixture.schema.name(), &fixture.prefix])
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .expect("the consumer process starts"),
-        )
-    };
-    let consumer = start();
+    let consumer = fixture.consumer_process(&[]);
     wait_until(Duration::from_secs(60), || async {
         fixture.moves().await >= (ORDERS / 3) as i64
     })
@@ -274,7 +279,7 @@ async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twi
     let at_kill = fixture.moves().await;
     assert!(at_kill < ORDERS as i64, "killed before the end ({at_kill})");
 
-    let consumer = start();
+    let consumer = fixture.consumer_process(&[]);
     let watch = connect().await.unwrap().create_channel().await.unwrap();
     wait_until(Duration::from_secs(120), || async {
         fixture.moves().await >= ORDERS as i64 && ready_messages(&watch, fixture.topology.queue()).await == 0
@@ -286,8 +291,66 @@ async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twi
     fixture.teardown().await;
 }
 
+/// The red-packet shape — the flag with the record behind it, then the record — after a
+/// SIGKILL mid-run: the keys the dead process had in flight keep its in-flight markers for
+/// the flag's whole lease (a minute here), yet the restarted consumer handles them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_killed_mid_run_recovers_without_waiting_out_the_flag_lease() {
+    const ORDERS: usize = 1_500;
+    let fixture = OrdersFixture::new("sigkill-recovery").await;
+    let producer = Producer::new(connect().await.unwrap());
+    let published = publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
+
+    let consumer = fixture.consumer_process(&["flag-record"]);
+    wait_until(Duration::from_secs(60), || async {
+        fixture.moves().await >= (ORDERS / 3) as i64
+    })
+    .await;
+    drop(consumer);
+    let at_kill = fixture.moves().await;
+    assert!(at_kill < ORDERS as i64, "killed before the end ({at_kill})");
+
+    let restarted = Instant::now();
+    let drained = fixture
+        .consumer_process(&["flag-record", "oncely-amqp-consumer", "--drain-ms", "1000"])
+        .wait_for_output();
+    let time_to_drain = restarted.elapsed();
+    println!(
+        "{at_kill} of {ORDERS} orders ({published} messages) applied at the kill; drained \
+         {time_to_drain:.1?} after the restart (flag lease {FLAG_RECORD_LEASE:?}):\n{drained}"
+    );
+    assert!(drained.contains("drained in"), "both runners drained:\n{drained}");
+    assert!(
+        !drained.contains("in_flight:flag"),
+        "no delivery waited for the dead process's in-flight markers:\n{drained}"
+    );
+    fixture.assert_each_order_once(ORDERS).await;
+    fixture.teardown().await;
+}
+
 /// A consumer process, killed with SIGKILL when dropped — also when the test fails.
 struct ConsumerProcess(std::process::Child);
+
+impl ConsumerProcess {
+    /// Waits for the process to exit by itself (at most two minutes) and returns what it
+    /// printed; panics if it failed or had to be killed.
+    fn wait_for_output(mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while self.0.try_wait().expect("the consumer's status").is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "the consumer did not drain within two minutes"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let status = self.0.wait().expect("the consumer's status");
+        let mut printed = String::new();
+        std::io::Read::read_to_string(self.0.stdout.as_mut().expect("piped"), &mut printed)
+            .expect("its output");
+        assert!(status.success(), "the consumer failed ({status}):\n{printed}");
+        printed
+    }
+}
 
 impl Drop for ConsumerProcess {
     fn drop(&mut self) {

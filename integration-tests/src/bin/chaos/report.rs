@@ -25,8 +25,36 @@ pub(crate) struct Report {
     pub(crate) faults: BTreeMap<Fault, u32>,
     pub(crate) handler_faults: BTreeMap<HandlerFault, i64>,
     pub(crate) crashes: usize,
+    /// What followed the last consumer kill, if there was one.
+    pub(crate) recovery: Option<Recovery>,
     pub(crate) wall_time: Duration,
     pub(crate) timed_out: bool,
+}
+
+/// How long the consumers took to finish after the last consumer kill: from the kill to the
+/// last effect written (none written after it: `None`), and to the last message sent (sent
+/// before it: `None`), so the reader can tell recovery from keys still arriving.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Recovery {
+    pub(crate) after_kill: Option<Duration>,
+    pub(crate) publishing_after_kill: Option<Duration>,
+}
+
+impl fmt::Display for Recovery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.after_kill {
+            Some(drained) => write!(f, "{:.1} s", drained.as_secs_f64())?,
+            None => f.write_str("nothing was left")?,
+        }
+        match self.publishing_after_kill {
+            Some(publishing) => write!(
+                f,
+                " (messages kept arriving for {:.1} s of it)",
+                publishing.as_secs_f64()
+            ),
+            None => f.write_str(" (every message had been sent)"),
+        }
+    }
 }
 
 impl Report {
@@ -100,6 +128,13 @@ impl Report {
                 self.lowest_throughput(),
             ),
             ("faults injected (took effect)", self.faults_injected()),
+            (
+                "time to drain after the last consumer kill (to the last effect)",
+                self.recovery.map_or_else(
+                    || "no consumer was killed".to_owned(),
+                    |recovery| recovery.to_string(),
+                ),
+            ),
         ]
     }
 
@@ -174,8 +209,11 @@ impl Report {
             (BrokerKind::Amqp, ChaosStack::FlagOnly) => format!(
                 "RabbitMQ, flag only: tower timeout ({timeout} s), Redis flag, handler writes on its own"
             ),
+            (BrokerKind::Amqp, ChaosStack::FlagRecord) => format!(
+                "RabbitMQ, flag and record: tower timeout ({timeout} s), Redis flag (record behind), PostgreSQL record (transactional)"
+            ),
             (BrokerKind::RocketMq, _) => format!(
-                "RocketMQ, rocketmq-points stack: delivery limit {ROUTE_DELIVERY_LIMIT} (Redis), tower timeout ({timeout} s), Redis flag, PostgreSQL record (transactional)"
+                "RocketMQ, rocketmq-points stack: delivery limit {ROUTE_DELIVERY_LIMIT} (Redis), tower timeout ({timeout} s), Redis flag (record behind), PostgreSQL record (transactional)"
             ),
         }
     }

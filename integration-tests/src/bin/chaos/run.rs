@@ -13,7 +13,7 @@ use crate::broker::Broker;
 use crate::consumers::Consumers;
 use crate::faults::{Fault, Schedule};
 use crate::options::Options;
-use crate::report::Report;
+use crate::report::{Recovery, Report};
 use crate::tables::Tables;
 use crate::{amqp, rocketmq};
 
@@ -39,6 +39,8 @@ pub(crate) struct Run {
     lockouts: Vec<(SystemTime, SystemTime)>,
     /// Consumer processes that died on their own and were restarted.
     crashes: usize,
+    /// When a consumer process was last killed.
+    last_kill: Option<SystemTime>,
 }
 
 impl Run {
@@ -70,6 +72,7 @@ impl Run {
             faults: BTreeMap::new(),
             lockouts: Vec::new(),
             crashes: 0,
+            last_kill: None,
         }
     }
 
@@ -94,6 +97,7 @@ impl Run {
             Fault::KillConsumer => {
                 let victim = self.faults.get(&fault).copied().unwrap_or(0) as usize % PROCESSES;
                 self.consumers.kill_and_restart(victim);
+                self.last_kill = Some(SystemTime::now());
                 true
             }
             Fault::RestartRedis => {
@@ -186,6 +190,11 @@ impl Run {
         let ledger = self.tables.ledger().await;
         let throughput = self.tables.throughput(published, &self.lockouts).await;
         let handler_faults = self.tables.handler_faults().await;
+        let last_effect = self.tables.last_effect_at().await;
+        let recovery = self.last_kill.map(|killed| Recovery {
+            after_kill: last_effect.and_then(|at| at.duration_since(killed).ok()),
+            publishing_after_kill: published.duration_since(killed).ok(),
+        });
         let Run {
             consumers,
             broker,
@@ -203,6 +212,7 @@ impl Run {
             faults,
             handler_faults,
             crashes,
+            recovery,
             wall_time: started.elapsed(),
             timed_out: started.elapsed() >= options.time_limit,
         }

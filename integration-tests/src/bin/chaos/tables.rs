@@ -120,6 +120,14 @@ impl Tables {
     /// so a healthy consumer applies some in every window; after the last one, only the
     /// retries of a few keys are left, some waiting out a lease, and a quiet window there is
     /// no stall.
+    /// When the last effect row was written, if any was.
+    pub(crate) async fn last_effect_at(&self) -> Option<SystemTime> {
+        let rows = self
+            .query("SELECT max(created_at) FROM {schema}.stock_moves", &[])
+            .await;
+        rows[0].get(0)
+    }
+
     pub(crate) async fn throughput(
         &self,
         published: SystemTime,
