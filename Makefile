@@ -30,7 +30,8 @@ test: fmt lint doc services
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
 	$(CARGO) run -q -p first-consumer --bin send-red-packets; \
-	$(CARGO) run -q -p first-consumer --bin first-consumer | tee /dev/stderr | grep '^drained' >/dev/null; \
+	$(CARGO) run -q -p first-consumer | tee /dev/stderr | tr -s ' ' | \
+	  grep -c -e '^drained' -e '^ processed 100$$' -e '^ duplicates 30 ' -e '^ dead letters 1 (bad_body 1)$$' | grep -qx 4; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT_ROCKETMQ); \
 	awk '/^test result:/ { passed += $$4; failed += $$6 } \

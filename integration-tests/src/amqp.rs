@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -15,8 +16,9 @@ use oncely::record::PgTransactionalLayer;
 use oncely::{Envelope, KeyExtractor, Route, handler_fn};
 use oncely_amqp::Topology;
 use redis::aio::ConnectionManager;
-use std::time::Duration;
 use tower::ServiceBuilder;
+
+use crate::postgres::stock_move;
 
 /// The RabbitMQ the tests use: `AMQP_ADDR`, or `amqp://guest:guest@127.0.0.1:5672/%2f`.
 pub fn amqp_addr() -> String {
@@ -114,8 +116,6 @@ pub fn orders_route(
     redis: ConnectionManager,
     prefix: &str,
 ) -> Route<impl crate::RouteStack<Infallible> + use<>> {
-    let handler =
-        handler_fn(|envelope: Envelope| async move { crate::postgres::insert_stock_move(&envelope).await });
     let stack = ServiceBuilder::new()
         .layer(orders_flag(redis.clone(), prefix))
         .layer(
@@ -126,8 +126,7 @@ pub fn orders_route(
             .with_lease(Duration::from_secs(5))
             .with_busy_delay(Duration::from_millis(100)),
         )
-        .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler);
+        .service(PgTransactionalLayer::new(pool, records).handler(stock_move));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
@@ -145,15 +144,12 @@ pub fn flag_record_orders_route(
     redis: ConnectionManager,
     prefix: &str,
 ) -> Route<impl crate::RouteStack<Infallible> + use<>> {
-    let handler =
-        handler_fn(|envelope: Envelope| async move { crate::postgres::insert_stock_move(&envelope).await });
     let flag = orders_flag(redis, prefix)
         .with_lease(FLAG_RECORD_LEASE)
         .with_record_behind();
     let stack = ServiceBuilder::new()
         .layer(flag)
-        .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler);
+        .service(PgTransactionalLayer::new(pool, records).handler(stock_move));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 

@@ -372,9 +372,7 @@ pub fn chaos_points_route(
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = timeout_and_flag(redis, prefix, true)
-        .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler_service(Effects::InRecordTransaction, faults));
+    let stack = flag_and_record(pool, records, redis, prefix, faults);
     Route::new(
         "credit_points",
         KeyExtractor::broker_key().with_namespace("credit_points"),
@@ -410,10 +408,22 @@ pub fn chaos_flag_record_route(
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = timeout_and_flag(redis, prefix, true)
-        .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler_service(Effects::InRecordTransaction, faults));
+    let stack = flag_and_record(pool, records, redis, prefix, faults);
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The timeout, the flag with the record behind it and the record, in front of the chaos
+/// handler writing in the record's transaction.
+fn flag_and_record(
+    pool: Pool,
+    records: Table,
+    redis: ConnectionManager,
+    prefix: &str,
+    faults: HandlerFaults,
+) -> impl crate::RouteStack<BoxError> + use<> {
+    timeout_and_flag(redis, prefix, true)
+        .layer(PgTransactionalLayer::new(pool, records))
+        .service(handler_service(Effects::InRecordTransaction, faults))
 }
 
 /// The chaos handler writing its effect as `effects` says, with `faults`.

@@ -4,7 +4,7 @@ use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use oncely::postgres::Table;
 use oncely::record::PgTransaction;
-use oncely::{Envelope, HandlerError};
+use oncely::{BusinessKey, Envelope, HandlerError};
 
 /// The PostgreSQL the tests use: `DATABASE_URL`, or `postgres://postgres@127.0.0.1:5432/test`.
 pub fn database_url() -> String {
@@ -123,18 +123,22 @@ impl Drop for ScratchSchema {
 }
 
 /// The business effect of the tests' stock-deduction handlers: one `stock_moves` row for the
-/// envelope's key, written in the transaction the record tier hands on.
+/// envelope's key, written in the transaction the record tier hands on (untyped).
 pub async fn insert_stock_move(envelope: &Envelope) -> Result<(), HandlerError> {
     let tx = envelope
         .extensions()
         .get::<PgTransaction>()
         .expect("the transactional record tier in front")
         .clone();
-    tx.client()
-        .execute(
-            "INSERT INTO stock_moves (order_id) VALUES ($1)",
-            &[&envelope.key().as_str()],
-        )
-        .await?;
+    stock_move(tx, envelope.key().clone()).await
+}
+
+/// The same effect as a typed handler, for `PgTransactionalLayer::handler`.
+pub async fn stock_move(tx: PgTransaction, order: BusinessKey) -> Result<(), HandlerError> {
+    tx.execute(
+        "INSERT INTO stock_moves (order_id) VALUES ($1)",
+        &[&order.as_str()],
+    )
+    .await?;
     Ok(())
 }

@@ -94,6 +94,20 @@ impl OrdersFixture {
         )
     }
 
+    /// Starts a consumer process with `stack_args`, SIGKILLs it once a third of `orders` is
+    /// applied, and returns how many were applied then.
+    async fn kill_mid_run(&self, stack_args: &[&str], orders: usize) -> i64 {
+        let consumer = self.consumer_process(stack_args);
+        wait_until(Duration::from_secs(60), || async {
+            self.moves().await >= (orders / 3) as i64
+        })
+        .await;
+        drop(consumer);
+        let at_kill = self.moves().await;
+        assert!(at_kill < orders as i64, "killed before the end ({at_kill})");
+        at_kill
+    }
+
     async fn moves(&self) -> i64 {
         self.schema.count("SELECT count(*) FROM stock_moves").await
     }
@@ -171,19 +185,14 @@ struct Order {
     quantity: i64,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_drained_run_ends_after_its_retries_and_reports_what_it_did() {
-    const ORDERS: usize = 200;
-    let fixture = OrdersFixture::new("drain").await;
-    // The retry waits longer than the drain's idle time: the run must wait for it.
-    let topology = fixture
-        .topology
-        .clone()
-        .with_retry_delays([Duration::from_secs(2)]);
-    let failed_once = Arc::new(AtomicU32::new(0));
-    let fails = failed_once.clone();
-    // Typed: a body that is not an Order is dead-lettered before the handler runs, and a
-    // quantity out of i32's range is a permanent failure by its error's type.
+/// The stock-deduction route with a typed handler, the flag with the record behind it and
+/// the record: a body that is not an [`Order`] is dead-lettered before the handler runs, a
+/// quantity out of i32's range is a permanent failure by its error's type, and `order_7`
+/// fails its first attempt.
+async fn typed_orders_route(
+    fixture: &OrdersFixture,
+) -> Route<impl integration_tests::RouteStack<std::convert::Infallible> + use<>> {
+    let fails = Arc::new(AtomicU32::new(0));
     let deduct = move |tx: PgTransaction, Json(order): Json<Order>| {
         let fail = order.order_id == "order_7" && fails.fetch_add(1, Ordering::SeqCst) == 0;
         async move {
@@ -210,7 +219,19 @@ async fn a_drained_run_ends_after_its_retries_and_reports_what_it_did() {
             .with_record_behind(),
         )
         .service(records.handler(deduct));
-    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drained_run_ends_after_its_retries_and_reports_what_it_did() {
+    const ORDERS: usize = 200;
+    let fixture = OrdersFixture::new("drain").await;
+    // The retry waits longer than the drain's idle time: the run must wait for it.
+    let topology = fixture
+        .topology
+        .clone()
+        .with_retry_delays([Duration::from_secs(2)]);
+    let route = typed_orders_route(&fixture).await;
     let producer = Producer::new(connect().await.unwrap());
     let published = publish_with_duplicates(&producer, topology.queue(), ORDERS).await;
     for poison in [
@@ -270,14 +291,7 @@ async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twi
     let producer = Producer::new(connect().await.unwrap());
     publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
 
-    let consumer = fixture.consumer_process(&[]);
-    wait_until(Duration::from_secs(60), || async {
-        fixture.moves().await >= (ORDERS / 3) as i64
-    })
-    .await;
-    drop(consumer);
-    let at_kill = fixture.moves().await;
-    assert!(at_kill < ORDERS as i64, "killed before the end ({at_kill})");
+    fixture.kill_mid_run(&[], ORDERS).await;
 
     let consumer = fixture.consumer_process(&[]);
     let watch = connect().await.unwrap().create_channel().await.unwrap();
@@ -301,25 +315,24 @@ async fn a_consumer_killed_mid_run_recovers_without_waiting_out_the_flag_lease()
     let producer = Producer::new(connect().await.unwrap());
     let published = publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
 
-    let consumer = fixture.consumer_process(&["flag-record"]);
-    wait_until(Duration::from_secs(60), || async {
-        fixture.moves().await >= (ORDERS / 3) as i64
-    })
-    .await;
-    drop(consumer);
-    let at_kill = fixture.moves().await;
-    assert!(at_kill < ORDERS as i64, "killed before the end ({at_kill})");
+    let at_kill = fixture.kill_mid_run(&["flag-record"], ORDERS).await;
 
     let restarted = Instant::now();
-    let drained = fixture
-        .consumer_process(&["flag-record", "oncely-amqp-consumer", "--drain-ms", "1000"])
-        .wait_for_output();
+    let restarted_consumer =
+        fixture.consumer_process(&["flag-record", "oncely-amqp-consumer", "--drain-ms", "1000"]);
+    let drained = tokio::task::spawn_blocking(move || restarted_consumer.wait_for_output())
+        .await
+        .unwrap();
     let time_to_drain = restarted.elapsed();
     println!(
         "{at_kill} of {ORDERS} orders ({published} messages) applied at the kill; drained \
          {time_to_drain:.1?} after the restart (flag lease {FLAG_RECORD_LEASE:?}):\n{drained}"
     );
-    assert!(drained.contains("drained in"), "both runners drained:\n{drained}");
+    assert_eq!(
+        drained.matches("drained in").count(),
+        2,
+        "both runners drained:\n{drained}"
+    );
     assert!(
         !drained.contains("in_flight:flag"),
         "no delivery waited for the dead process's in-flight markers:\n{drained}"

@@ -106,13 +106,7 @@ async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
         let (schema, pool) = stock_schema(4).await;
         let route = transactional(&pool, &schema, move |envelope| swallowing_handler(envelope, bug));
 
-        let outcome = route.handle(order("o-1")).await;
-        assert_eq!(
-            outcome.retry_reason(),
-            Some(RetryReason::HandlerFailed),
-            "{bug}: {outcome}"
-        );
-        assert_eq!(moves_of(&schema, "o-1").await, 0, "{bug}: nothing committed");
+        handled_as_failed_with_nothing_committed(&route, &schema, "o-1", bug).await;
         assert_eq!(
             status_of(&schema, "o-1").await.as_deref(),
             Some("FAILURE"),
@@ -152,13 +146,7 @@ async fn a_handler_that_ends_the_transaction_itself_is_retried() {
                 Ok::<(), HandlerError>(())
             }
         });
-        let outcome = route.handle(order("o-1")).await;
-        assert_eq!(
-            outcome.retry_reason(),
-            Some(RetryReason::HandlerFailed),
-            "{ending}: {outcome}"
-        );
-        assert_eq!(moves_of(&schema, "o-1").await, 0, "{ending}");
+        handled_as_failed_with_nothing_committed(&route, &schema, "o-1", ending).await;
         assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{ending}");
         assert_eq!(moves_of(&schema, "o-1").await, 1, "{ending}: applied once");
     }
@@ -304,6 +292,27 @@ async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
     );
 }
 
+/// Handles `order_id` once through `route` and checks it was answered a retry for a handler
+/// failure, with no stock move committed; returns the outcome's text. `case` names the case
+/// in failure messages.
+async fn handled_as_failed_with_nothing_committed<
+    S: integration_tests::RouteStack<std::convert::Infallible> + 'static,
+>(
+    route: &Route<S>,
+    schema: &ScratchSchema,
+    order_id: &str,
+    case: &str,
+) -> String {
+    let outcome = route.handle(order(order_id)).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{case}: {outcome}"
+    );
+    assert_eq!(moves_of(schema, order_id).await, 0, "{case}: nothing committed");
+    outcome.to_string()
+}
+
 #[tokio::test]
 async fn a_handler_that_keeps_its_transaction_past_its_answer_commits_nothing() {
     let (schema, pool) = stock_schema(2).await;
@@ -318,13 +327,7 @@ async fn a_handler_that_keeps_its_transaction_past_its_answer_commits_nothing() 
             Ok::<(), HandlerError>(())
         }
     });
-    let outcome = route.handle(order("o-1")).await;
-    assert_eq!(
-        outcome.retry_reason(),
-        Some(RetryReason::HandlerFailed),
-        "{outcome}"
-    );
-    assert_eq!(moves_of(&schema, "o-1").await, 0);
+    handled_as_failed_with_nothing_committed(&route, &schema, "o-1", "kept").await;
     drop(kept.lock().unwrap().take());
 }
 
@@ -354,13 +357,7 @@ async fn a_commit_the_server_refuses_is_retried_and_its_connection_reused() {
         }
         Ok::<(), HandlerError>(())
     });
-    let outcome = route.handle(order("o-twice")).await;
-    assert_eq!(
-        outcome.retry_reason(),
-        Some(RetryReason::HandlerFailed),
-        "{outcome}"
-    );
-    assert!(outcome.to_string().contains("commit was refused"), "{outcome}");
-    assert_eq!(moves_of(&schema, "o-twice").await, 0);
+    let outcome = handled_as_failed_with_nothing_committed(&route, &schema, "o-twice", "refused").await;
+    assert!(outcome.contains("commit was refused"), "{outcome}");
     assert_eq!(route.handle(order("o-once")).await, Outcome::Processed);
 }

@@ -186,6 +186,33 @@ struct Payment {
     amount: i64,
 }
 
+/// The points route with a typed handler, the flag with the record behind it and the
+/// record: a body that is not a [`Payment`] is dead-lettered before the handler runs, and
+/// `order_3` fails its first attempts (the broker brings them back after 10 s, which a
+/// drain must wait for).
+async fn typed_points_route(
+    schema: &ScratchSchema,
+) -> Route<impl integration_tests::RouteStack<std::convert::Infallible> + use<>> {
+    let credit = |tx: PgTransaction, key: BusinessKey, delivery: Delivery, Json(payment): Json<Payment>| async move {
+        if key.as_str() == "order_3" && delivery.attempt() == 1 {
+            return Err(HandlerError::transient("the points service is down"));
+        }
+        let attempt = i32::try_from(delivery.attempt())?;
+        tx.execute(
+            "INSERT INTO points (order_id, attempt) VALUES ($1, $2)",
+            &[&format!("{key}:{}", payment.amount), &attempt],
+        )
+        .await?;
+        Ok::<(), HandlerError>(())
+    };
+    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"));
+    let records = PgTransactionalLayer::new(schema_pool(schema.name(), 4), schema.records());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLayer::new(flags, Duration::from_secs(600)).with_record_behind())
+        .service(records.handler(credit));
+    Route::new("credit_points", KeyExtractor::broker_key(), stack)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_listener_ends_after_the_brokers_retry_and_reports_what_it_did() {
     const ORDERS: usize = 10;
@@ -205,26 +232,7 @@ async fn a_drained_listener_ends_after_the_brokers_retry_and_reports_what_it_did
         .send(rocketmq.message(Some("bad-1"), b"not a payment"))
         .await;
 
-    // order_3 fails its first attempts: the broker brings them back after 10 s, which the
-    // drain must wait for.
-    let credit = |tx: PgTransaction, key: BusinessKey, delivery: Delivery, Json(payment): Json<Payment>| async move {
-        if key.as_str() == "order_3" && delivery.attempt() == 1 {
-            return Err(HandlerError::transient("the points service is down"));
-        }
-        let attempt = i32::try_from(delivery.attempt())?;
-        tx.execute(
-            "INSERT INTO points (order_id, attempt) VALUES ($1, $2)",
-            &[&format!("{key}:{}", payment.amount), &attempt],
-        )
-        .await?;
-        Ok::<(), HandlerError>(())
-    };
-    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"));
-    let records = PgTransactionalLayer::new(schema_pool(schema.name(), 4), schema.records());
-    let stack = ServiceBuilder::new()
-        .layer(FlagLayer::new(flags, Duration::from_secs(600)).with_record_behind())
-        .service(records.handler(credit));
-    let route = Route::new("credit_points", KeyExtractor::broker_key(), stack);
+    let route = typed_points_route(&schema).await;
     let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
     let progress = listener.progress();
     let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());

@@ -13,8 +13,9 @@
 //! let channel = connection.create_channel().await?;
 //! let topology = Topology::new("orders");
 //! topology.declare(&channel).await?;
-//! Runner::new(route, topology).run(&channel, &CancellationToken::new()).await
-//! # }
+//! let report = Runner::new(route, topology).run(&channel, &CancellationToken::new()).await?;
+//! println!("{report}");
+//! # Ok(()) }
 //! ```
 //!
 //! The adapter is thin: it converts deliveries ([`to_delivery`]) and maps each

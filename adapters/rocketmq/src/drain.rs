@@ -1,7 +1,7 @@
 //! A listener's run report, and drain mode: knowing when a consumer group has consumed
 //! everything, its retries included.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -20,10 +20,11 @@ use crate::runtime::OwnedClientRuntime;
 #[derive(Clone, Debug, Default)]
 pub struct Progress {
     tally: Tally,
-    /// `UNIQ_KEY`s of messages sent back (`ReconsumeLater`, a suspended orderly queue) and
-    /// not seen again: the broker holds them in its schedule topic, where no offset shows
-    /// them as pending for the group.
-    awaiting_retry: Arc<Mutex<HashSet<String>>>,
+    /// How many copies of each `UNIQ_KEY` were sent back (`ReconsumeLater`, a suspended
+    /// orderly queue) and not seen again: the broker holds them in its schedule topic, where
+    /// no offset shows them as pending for the group. Counted, not a set: two stored copies
+    /// of one message (a producer's send retry) share the key.
+    awaiting_retry: Arc<Mutex<HashMap<String, usize>>>,
 }
 
 impl Progress {
@@ -34,7 +35,7 @@ impl Progress {
 
     /// How many messages this listener sent back for a retry that have not come back yet.
     pub fn awaiting_retry(&self) -> usize {
-        self.awaiting().len()
+        self.awaiting().values().sum()
     }
 
     /// Waits until the group is drained, then returns the report (marked `drained`):
@@ -44,14 +45,20 @@ impl Progress {
     ///
     /// The consumer commits its offsets to the broker every 5 s (the client's persist
     /// interval): the lag lags by as much, so a drain ends 5–10 s after the last message at
-    /// the earliest. A message the broker moves to its own `%DLQ%` group after
-    /// maxReconsumeTimes never comes back, and drain mode then never ends: keep the route's
-    /// maximum attempts at or below maxReconsumeTimes + 1, as the listeners' docs say. With
-    /// several consumer processes in the group, each waits for the whole group's lag, but
-    /// sees only its own sent-back messages.
+    /// the earliest. Until the broker lists the group's queues of the topic (a new group
+    /// before its first commit) the lag is unknown, and the group is not drained.
+    ///
+    /// Limits. Drain mode is for one consumer process per group: a retry comes back through
+    /// the group's retry topic to whichever process holds its queue, so another process
+    /// would wait for its sent-back messages forever. A message the broker moves to its own
+    /// `%DLQ%` group after maxReconsumeTimes never comes back, and the drain then never
+    /// ends: keep the route's maximum attempts at or below maxReconsumeTimes + 1, as the
+    /// listeners' docs say. Messages the client sends back by itself without calling the
+    /// listener (its listener lane full; see [`OwnedClientRuntime`]) and messages without a
+    /// `UNIQ_KEY` (not sent by a RocketMQ producer) are not tracked while they wait in the
+    /// broker's schedule.
     pub async fn wait_until_drained(&self, idle: Duration, lag: &GroupLag) -> RunReport {
-        let drained =
-            || async { self.awaiting().is_empty() && lag.pending().await.is_ok_and(|pending| pending == 0) };
+        let drained = || async { self.awaiting().is_empty() && matches!(lag.pending().await, Ok(Some(0))) };
         self.tally.wait_until_drained(idle, drained).await;
         self.report()
     }
@@ -63,7 +70,13 @@ impl Progress {
     /// A message arrived: in flight until the guard drops, and no longer awaited.
     pub(crate) fn arrived(&self, message: &MessageExt) -> InFlight {
         if let Some(id) = unique_id(message) {
-            self.awaiting().remove(id);
+            let mut awaiting = self.awaiting();
+            if let Some(copies) = awaiting.get_mut(id) {
+                *copies -= 1;
+                if *copies == 0 {
+                    awaiting.remove(id);
+                }
+            }
         }
         self.tally.arrived()
     }
@@ -71,15 +84,12 @@ impl Progress {
     /// Messages the listener sends back for a retry: awaited until they arrive again.
     pub(crate) fn sent_back(&self, messages: &[&MessageExt]) {
         let mut awaiting = self.awaiting();
-        awaiting.extend(
-            messages
-                .iter()
-                .filter_map(|message| unique_id(message))
-                .map(str::to_owned),
-        );
+        for id in messages.iter().filter_map(|message| unique_id(message)) {
+            *awaiting.entry(id.to_owned()).or_default() += 1;
+        }
     }
 
-    fn awaiting(&self) -> MutexGuard<'_, HashSet<String>> {
+    fn awaiting(&self) -> MutexGuard<'_, HashMap<String, usize>> {
         // Nothing panics while holding the lock; a poisoned set is still the right set.
         self.awaiting_retry
             .lock()
@@ -118,27 +128,44 @@ impl GroupLag {
     }
 
     /// Messages the broker holds for the group beyond its committed offsets, in the topic
-    /// and its retry topic (a queue the group never committed an offset on counts whole).
-    pub async fn pending(&self) -> Result<u64, Error> {
+    /// and its retry topic (a queue the group never committed an offset on counts whole);
+    /// `None` while the broker lists no queue of the topic for the group (a new group before
+    /// its first commit, or a topic not created yet): unknown, not zero.
+    pub async fn pending(&self) -> Result<Option<u64>, Error> {
+        let [topic, retry_topic] = &self.topics;
+        let Some(in_topic) = self.pending_in(topic).await? else {
+            return Ok(None);
+        };
+        // The retry topic exists only once the group sent a message back: none, none pending.
+        let in_retries = match self.pending_in(retry_topic).await {
+            Ok(pending) => pending.unwrap_or(0),
+            Err(error) => {
+                tracing::debug!(%error, retry_topic, "no consume stats for the retry topic");
+                0
+            }
+        };
+        Ok(Some(in_topic + in_retries))
+    }
+
+    /// [`pending`](GroupLag::pending) for one topic.
+    async fn pending_in(&self, topic: &str) -> Result<Option<u64>, Error> {
         let stats = MQAdminReadExt::examine_consume_stats(
             &self.admin,
             self.group.as_str().into(),
-            None,
+            Some(topic.into()),
             None,
             None,
             Some(3_000),
         )
         .await?;
-        let pending = stats
-            .get_offset_table()
-            .iter()
-            .filter(|(queue, _)| self.topics.iter().any(|topic| topic == queue.topic_str()))
+        let queues: Vec<u64> = (stats.get_offset_table().iter())
+            .filter(|(queue, _)| queue.topic_str() == topic)
             .map(|(_, offsets)| {
                 let consumed = offsets.get_consumer_offset().max(0);
                 u64::try_from(offsets.get_broker_offset() - consumed).unwrap_or(0)
             })
-            .sum();
-        Ok(pending)
+            .collect();
+        Ok((!queues.is_empty()).then(|| queues.iter().sum()))
     }
 
     /// Stops the admin client.

@@ -167,21 +167,21 @@ where
         let settler = &self.settler;
         let _in_flight = settler.arrived(messages);
         let retry = block_on(&settler.runtime, async {
-            for (position, message) in messages.iter().enumerate() {
+            for message in messages {
                 let (settled, outcome) = settler.settle(message).await;
                 settler.count(&settled, &outcome);
                 if let Settled::Retry { delay } | Settled::Wait { delay } = settled {
-                    return Some((position, delay));
+                    return Some(delay);
                 }
             }
             None
         });
         Ok(match retry {
             None => ConsumeOrderlyStatus::Success,
-            Some((position, delay)) => {
-                // The client holds the queue and delivers this message and the ones after it
-                // again.
-                settler.progress.sent_back(&messages[position..]);
+            Some(delay) => {
+                // The client holds the queue and delivers the whole batch again (the messages
+                // before this one then answer duplicate).
+                settler.progress.sent_back(messages);
                 if let Some(delay) = delay {
                     let millis = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
                     context.set_suspend_current_queue_time_millis(millis);

@@ -17,12 +17,13 @@ use tower::ServiceBuilder;
 #[derive(serde::Deserialize)]
 struct RedPacket {
     user: String,
-    cents: i64,
+    cents: u32,
 }
 
-// A body that is not a RedPacket is dead-lettered (`bad_body`); a failed statement is retried.
+// A body that is not a RedPacket (negative cents too) is dead-lettered as `bad_body`.
 async fn credit(tx: PgTransaction, Json(packet): Json<RedPacket>) -> Result<(), HandlerError> {
-    tx.execute(CREDIT, &[&packet.user, &packet.cents]).await?;
+    tx.execute(CREDIT, &[&packet.user, &i64::from(packet.cents)])
+        .await?;
     Ok(())
 }
 

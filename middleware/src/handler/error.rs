@@ -200,7 +200,21 @@ impl<T, E: Into<BoxError>> ResultExt<T> for Result<T, E> {
     }
 }
 
-/// Errors that say the input is wrong: the same input fails the same way every time.
+/// Calls `$then!` with the errors that say the input is wrong: the same input fails the same
+/// way every time. One list for their `Classify` impls and the boxed error's downcasts.
+macro_rules! with_input_errors {
+    ($then:ident) => {
+        $then! {
+            std::num::ParseIntError,
+            std::num::ParseFloatError,
+            std::num::TryFromIntError,
+            std::str::Utf8Error,
+            std::string::FromUtf8Error,
+            crate::InputError,
+        }
+    };
+}
+
 macro_rules! permanent {
     ($($error:ty),* $(,)?) => {
         $(impl Classify for $error {
@@ -211,14 +225,7 @@ macro_rules! permanent {
     };
 }
 
-permanent!(
-    std::num::ParseIntError,
-    std::num::ParseFloatError,
-    std::num::TryFromIntError,
-    std::str::Utf8Error,
-    std::string::FromUtf8Error,
-    crate::InputError,
-);
+with_input_errors!(permanent);
 
 impl Classify for std::io::Error {}
 impl Classify for tokio::time::error::Elapsed {}
@@ -243,16 +250,8 @@ impl Classify for BoxError {
                 })*
             };
         }
-        as_one_of!(
-            serde_json::Error,
-            std::num::ParseIntError,
-            std::num::ParseFloatError,
-            std::num::TryFromIntError,
-            std::str::Utf8Error,
-            std::string::FromUtf8Error,
-            crate::InputError,
-            crate::Error,
-        );
+        with_input_errors!(as_one_of);
+        as_one_of!(serde_json::Error, crate::Error);
         #[cfg(feature = "postgres")]
         as_one_of!(deadpool_postgres::tokio_postgres::Error);
         ErrorClass::Transient

@@ -1,7 +1,8 @@
 //! Run with: `cargo run -p first-consumer --bin send-red-packets`
 //!
 //! Sends 100 red packets for 10 users to the `red-packets` queue, then 30 duplicates of them
-//! and one packet whose amount is not a number. Packet ids are new on every run.
+//! and one packet whose amount is not a number. Packet ids are new on every run; the dead
+//! letters of earlier runs are purged.
 
 use first_consumer::{QUEUE, amqp};
 use oncely_amqp::{Producer, Topology};
@@ -9,8 +10,12 @@ use oncely_amqp::{Producer, Topology};
 #[tokio::main]
 async fn main() -> Result<(), oncely_amqp::Error> {
     let connection = amqp().await?;
-    Topology::new(QUEUE)
-        .declare(&connection.create_channel().await?)
+    let channel = connection.create_channel().await?;
+    let topology = Topology::new(QUEUE);
+    topology.declare(&channel).await?;
+    // The demo's dead letters are read from its report; the last run's are of no more use.
+    channel
+        .queue_purge(topology.dead_letter_queue().into(), Default::default())
         .await?;
     let producer = Producer::new(connection);
     let run = oncely::Token::random();

@@ -60,6 +60,25 @@ async fn credit_points(
     Ok(())
 }
 
+/// Prints what was credited, and exits 1 if the balances do not add up to the points.
+async fn check_balances(pool: &deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error>> {
+    let client = pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM points), (SELECT COALESCE(sum(points), 0)::BIGINT FROM points),
+                    (SELECT COALESCE(sum(points), 0)::BIGINT FROM balances)",
+            &[],
+        )
+        .await?;
+    let (orders, credited, balances): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    println!("points: {orders} orders credited, {credited} points; balances total {balances}");
+    if credited != balances {
+        eprintln!("FAIL: the balances do not add up to the points credited");
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
 async fn prepare_database(pool: &deadpool_postgres::Pool, records: &Table) -> Result<(), oncely::StoreError> {
     migrate(pool, records).await?;
     let client = pool.get().await?;
@@ -128,20 +147,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     payments.shutdown().await;
     println!("{report}");
 
-    let client = pool.get().await?;
-    let row = client
-        .query_one(
-            "SELECT (SELECT count(*) FROM points), (SELECT COALESCE(sum(points), 0)::BIGINT FROM points),
-                    (SELECT COALESCE(sum(points), 0)::BIGINT FROM balances)",
-            &[],
-        )
-        .await?;
-    let (orders, credited, balances): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
-    println!("points: {orders} orders credited, {credited} points; balances total {balances}");
-    if credited != balances {
-        eprintln!("FAIL: the balances do not add up to the points credited");
-        std::process::exit(1);
-    }
+    check_balances(&pool).await?;
     runtime.shutdown().await;
     Ok(())
 }

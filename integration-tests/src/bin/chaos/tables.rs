@@ -113,13 +113,6 @@ impl Tables {
         }
     }
 
-    /// Effects applied per window, in whole windows counted back from `published` (when the
-    /// last message was sent) to the first panic that took effect, every window counted,
-    /// also the empty ones, except those that overlap one of `lockouts`, a broker restart's
-    /// (no client can reach the broker then). While messages arrive, new keys keep arriving,
-    /// so a healthy consumer applies some in every window; after the last one, only the
-    /// retries of a few keys are left, some waiting out a lease, and a quiet window there is
-    /// no stall.
     /// When the last effect row was written, if any was.
     pub(crate) async fn last_effect_at(&self) -> Option<SystemTime> {
         let rows = self
@@ -128,6 +121,13 @@ impl Tables {
         rows[0].get(0)
     }
 
+    /// Effects applied per window, in whole windows counted back from `published` (when the
+    /// last message was sent) to the first panic that took effect, every window counted,
+    /// also the empty ones, except those that overlap one of `lockouts`, a broker restart's
+    /// (no client can reach the broker then). While messages arrive, new keys keep arriving,
+    /// so a healthy consumer applies some in every window; after the last one, only the
+    /// retries of a few keys are left, some waiting out a lease, and a quiet window there is
+    /// no stall.
     pub(crate) async fn throughput(
         &self,
         published: SystemTime,

@@ -20,8 +20,10 @@ use crate::record::decision::fencing_token;
 use crate::record::store::RecordStatus;
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
-/// Opens the transaction and names it: its id, assigned at once, is what the commit checks.
-const BEGIN_NAMED: &str = "BEGIN; SELECT pg_current_xact_id()";
+/// Opens the transaction and names it: its id (64 bits with the epoch, so it never wraps),
+/// assigned at once, is what the commit checks. (`txid_current` rather than PostgreSQL 13's
+/// `pg_current_xact_id`, which is the same number, so that older servers work too.)
+const BEGIN_NAMED: &str = "BEGIN; SELECT txid_current()";
 
 /// Ends the transaction `xid`, but only if it is still open, not aborted, and still the one
 /// that claimed the key: `SAVEPOINT` fails outside a transaction block and in an aborted one,
@@ -30,7 +32,7 @@ const BEGIN_NAMED: &str = "BEGIN; SELECT pg_current_xact_id()";
 /// is skipped after a failure. A plain `COMMIT` of an aborted transaction answers with the
 /// tag `ROLLBACK` and no error, which the client does not show.
 fn commit_checked(xid: &str) -> String {
-    format!("SAVEPOINT oncely_commit_check; SELECT 1 / (pg_current_xact_id() = '{xid}'::xid8)::int; COMMIT")
+    format!("SAVEPOINT oncely_commit_check; SELECT 1 / (txid_current() = {xid})::int; COMMIT")
 }
 
 /// The open transaction of the delivery being handled: the argument a typed handler built by
@@ -257,7 +259,7 @@ impl<S: TransactionSafe> Layer<S> for PgTransactionalLayer {
 /// behind panicked), its connection is closed and the server rolls the transaction back.
 pub struct PgTransactionalTicket {
     transaction: Arc<Checkout>,
-    /// The transaction's id (`pg_current_xact_id()`), digits only.
+    /// The transaction's id (`txid_current()`), digits only.
     xid: String,
     request: ClaimRequest,
 }
@@ -400,9 +402,11 @@ async fn commit(transaction: Arc<Checkout>, xid: &str) -> Result<(), Outcome> {
             None,
         ));
     }
-    // The server refused the COMMIT itself and rolled the transaction back; the session is
-    // idle again (or closed, which the pool notices).
-    transaction.mark_clean();
+    // The server refused the COMMIT itself and rolled the transaction back — or the check
+    // before it failed (a statement timeout, a cancel) and the transaction is still open,
+    // aborted: the ROLLBACK ends it (after a refused COMMIT it only warns), and the
+    // connection goes back to the pool only if that worked.
+    end(transaction, "ROLLBACK").await;
     let reason = match code.code().get(..2) {
         // Serialization failure, deadlock: another transaction won; trying again may pass.
         Some("40") => RetryReason::Conflict(Tier::Record),
@@ -427,9 +431,7 @@ async fn begin_named(transaction: &Checkout) -> Result<String, StoreError> {
     // Only digits go into the commit's text.
     match xid {
         Some(xid) if !xid.is_empty() && xid.bytes().all(|byte| byte.is_ascii_digit()) => Ok(xid.to_owned()),
-        _ => Err(StoreError::malformed(format!(
-            "pg_current_xact_id() answered {xid:?}"
-        ))),
+        _ => Err(StoreError::malformed(format!("txid_current() answered {xid:?}"))),
     }
 }
 
