@@ -30,7 +30,7 @@ pub enum ErrorClass {
 /// | `std::num::ParseIntError`, `ParseFloatError`, `TryFromIntError`, `std::str::Utf8Error`, `std::string::FromUtf8Error` | permanent |
 /// | [`InputError`](crate::InputError) | permanent |
 /// | `tokio_postgres::Error` (feature `postgres`) | permanent for SQLSTATE class 22 (data exception: a number out of range, text that is not a number or date) and 23502 (a `NOT NULL` column left empty); transient otherwise: connection, serialization failure, deadlock, lock timeout, 42 (a bug a deploy fixes), and the other integrity violations, which depend on what the data is now and may pass later (23505 unique: a concurrent writer; 23514 check, such as `balance >= 0`: a credit not yet applied; 23503 foreign key: a row not yet written) |
-/// | `std::io::Error`, `tokio::time::error::Elapsed`, [`StoreError`](crate::StoreError), `deadpool_postgres::PoolError`, `redis::RedisError` | transient |
+/// | `std::io::Error`, `tokio::time::error::Elapsed`, [`StoreError`](crate::StoreError), [`ConfigError`](crate::ConfigError) (a deploy fixes it), `deadpool_postgres::PoolError`, `redis::RedisError` | transient |
 /// | [`oncely::Error`](crate::Error) | permanent for bad input, transient otherwise |
 /// | [`BoxError`] | as its concrete type above, when it is one of them; transient otherwise |
 ///
@@ -230,6 +230,7 @@ with_input_errors!(permanent);
 impl Classify for std::io::Error {}
 impl Classify for tokio::time::error::Elapsed {}
 impl Classify for crate::StoreError {}
+impl Classify for crate::ConfigError {}
 
 impl Classify for crate::Error {
     fn class(&self) -> ErrorClass {

@@ -10,12 +10,17 @@ use crate::error::{ConfigError, StoreError};
 /// inside a handler (typically in the transaction the record tier hands it).
 ///
 /// ```no_run
-/// # async fn f(tx: &oncely::postgres::deadpool_postgres::Transaction<'_>) -> Result<(), oncely::Error> {
 /// use oncely::postgres::{StatusColumns, Table};
-/// let orders = StatusColumns::new(Table::new("shop", "orders")?, "id", "status", "version")?;
-/// // Pays an order only if it is still unpaid: a retried callback changes nothing.
-/// let paid = orders.transition(tx, &"order_123", &["UNPAID"], "PAID").await?;
-/// # Ok(()) }
+/// use oncely::record::PgTransaction;
+/// use oncely::{BusinessKey, HandlerError};
+///
+/// // A payment callback, in the transactional record's transaction.
+/// async fn pay(tx: PgTransaction, order: BusinessKey) -> Result<(), HandlerError> {
+///     let orders = StatusColumns::new(Table::new("shop", "orders")?, "id", "status", "version")?;
+///     // Pays an order only if it is still unpaid: a retried callback changes nothing (false).
+///     orders.transition(&*tx, &order.as_str(), &["UNPAID"], "PAID").await?;
+///     Ok(())
+/// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StatusColumns {

@@ -38,10 +38,11 @@ fn commit_checked(xid: &str) -> String {
 /// The open transaction of the delivery being handled: the argument a typed handler built by
 /// [`PgTransactionalLayer::handler`] takes to write its effect.
 ///
-/// It dereferences to the connection's `tokio_postgres::Client`: statements run through it
-/// (`tx.execute(..)`, `tx.query(..)`, and anything taking a `GenericClient`, such as
-/// [`StatusColumns`](crate::postgres::StatusColumns)) run inside the transaction that also
-/// holds the key's record, and commit only if the stack answers processed. Do not `COMMIT`
+/// It dereferences to the pooled connection (`deadpool_postgres::Client`): statements run
+/// through it — `tx.execute(..)`, `tx.query(..)`, and anything taking a `GenericClient`,
+/// such as [`StatusColumns`](crate::postgres::StatusColumns) with `&*tx` — run inside the
+/// transaction that also holds the key's record, and commit only if the stack answers
+/// processed. Do not `COMMIT`
 /// or `ROLLBACK` it yourself: the tier notices (below), but a write after your own `COMMIT`
 /// or `ROLLBACK` runs outside any transaction and commits at once, which nothing can take
 /// back. Do not keep it after the handler returns (a clone kept past the answer commits
@@ -79,7 +80,7 @@ impl PgTransaction {
 }
 
 impl std::ops::Deref for PgTransaction {
-    type Target = deadpool_postgres::tokio_postgres::Client;
+    type Target = deadpool_postgres::Client;
 
     fn deref(&self) -> &Self::Target {
         self.0.client()
