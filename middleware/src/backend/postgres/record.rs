@@ -62,7 +62,7 @@ impl Statements {
                    AND (r.status = 'FAILURE' OR (r.status = 'PROCESSING' AND r.lease_until < now()))
                    AND (r.fencing_token IS NULL OR EXCLUDED.fencing_token IS NULL
                         OR EXCLUDED.fencing_token >= r.fencing_token)
-                 RETURNING message_key, retry_count"
+                 RETURNING message_key, retry_count, txid_current()"
             ),
             inspect: format!(
                 "SELECT message_key, status, payload_fingerprint, COALESCE(lease_until > now(), false), fencing_token
@@ -118,14 +118,21 @@ pub(crate) struct ClaimRequest {
     pub(crate) lease: Option<Duration>,
 }
 
+/// The answers of a [`claim_batch`], in the order of its requests, and the id of the
+/// transaction that claimed (`txid_current()`), if any key was claimed.
+pub(crate) struct Claimed {
+    pub(crate) answers: Vec<Begin>,
+    pub(crate) transaction_id: Option<i64>,
+}
+
 /// Claims `requests` (distinct keys) with one statement, plus one more to inspect the keys
-/// it could not claim. Answers in the order of `requests`.
+/// it could not claim.
 pub(crate) async fn claim_batch(
     client: &impl deadpool_postgres::GenericClient,
     statements: &Statements,
     requests: &[ClaimRequest],
     status: RecordStatus,
-) -> Result<Vec<Begin>, StoreError> {
+) -> Result<Claimed, StoreError> {
     let keys: Vec<&str> = requests.iter().map(|request| request.key.as_str()).collect();
     let fingerprints: Vec<String> = requests
         .iter()
@@ -147,6 +154,7 @@ pub(crate) async fn claim_batch(
         )
         .await?;
     let mut answers: Vec<Option<Begin>> = vec![None; requests.len()];
+    let transaction_id = claimed.first().map(|row| row.get::<_, i64>(2));
     for row in &claimed {
         let key: &str = row.get(0);
         let retry_count: i32 = row.get(1);
@@ -172,10 +180,14 @@ pub(crate) async fn claim_batch(
         }
     }
     // A key with neither a claim nor a row was deleted in between (a purge): try again later.
-    Ok(answers
+    let answers = answers
         .into_iter()
         .map(|answer| answer.unwrap_or(Begin::InProgress))
-        .collect())
+        .collect();
+    Ok(Claimed {
+        answers,
+        transaction_id,
+    })
 }
 
 /// Why a claim did not take the row.

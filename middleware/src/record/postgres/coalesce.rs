@@ -98,8 +98,8 @@ async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statement
         }
         let requests: Vec<ClaimRequest> = round.iter().map(|(request, _)| request.clone()).collect();
         match claim_batch(&client, &statements, &requests, RecordStatus::Processing).await {
-            Ok(answers) => {
-                for ((_, reply), answer) in round.into_iter().zip(answers) {
+            Ok(claimed) => {
+                for ((_, reply), answer) in round.into_iter().zip(claimed.answers) {
                     // A caller that gave up (its future was dropped) no longer needs the answer.
                     let _ = reply.send(Ok(answer));
                 }

@@ -132,9 +132,8 @@ impl RecordStore for PgRecordStore {
             return coalescer.claim(request).await;
         }
         Checkout::run(&self.pool, async |client| {
-            let mut answers =
-                claim_batch(client, &self.statements, &[request], RecordStatus::Processing).await?;
-            Ok(answers.remove(0))
+            let claimed = claim_batch(client, &self.statements, &[request], RecordStatus::Processing).await?;
+            Ok(claimed.answers.into_iter().next().unwrap_or(Begin::InProgress))
         })
         .await
     }

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use deadpool_postgres::tokio_postgres::SimpleQueryMessage;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
 
@@ -17,21 +16,17 @@ use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::TransactionSafe;
 use crate::record::decision::fencing_token;
-use crate::record::store::RecordStatus;
+use crate::record::store::{Begin, RecordStatus};
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
-/// Opens the transaction and names it: its id (64 bits with the epoch, so it never wraps),
-/// assigned at once, is what the commit checks. (`txid_current` rather than PostgreSQL 13's
-/// `pg_current_xact_id`, which is the same number, so that older servers work too.)
-const BEGIN_NAMED: &str = "BEGIN; SELECT txid_current()";
-
-/// Ends the transaction `xid`, but only if it is still open, not aborted, and still the one
-/// that claimed the key: `SAVEPOINT` fails outside a transaction block and in an aborted one,
+/// Ends the transaction `xid` (the claim's `txid_current()`: 64 bits with the epoch, so it
+/// never wraps), but only if it is still open, not aborted, and still the one that claimed
+/// the key: `SAVEPOINT` fails outside a transaction block and in an aborted one,
 /// the division fails (22012) in another transaction (the handler ran `ROLLBACK; BEGIN`,
 /// which would commit its effect without the key's record), and the rest of a simple query
 /// is skipped after a failure. A plain `COMMIT` of an aborted transaction answers with the
 /// tag `ROLLBACK` and no error, which the client does not show.
-fn commit_checked(xid: &str) -> String {
+fn commit_checked(xid: i64) -> String {
     format!("SAVEPOINT oncely_commit_check; SELECT 1 / (txid_current() = {xid})::int; COMMIT")
 }
 
@@ -260,8 +255,8 @@ impl<S: TransactionSafe> Layer<S> for PgTransactionalLayer {
 /// behind panicked), its connection is closed and the server rolls the transaction back.
 pub struct PgTransactionalTicket {
     transaction: Arc<Checkout>,
-    /// The transaction's id (`txid_current()`), digits only.
-    xid: String,
+    /// The transaction's id (`txid_current()`), as the claim returned it.
+    xid: i64,
     request: ClaimRequest,
 }
 
@@ -287,7 +282,7 @@ impl TierDecision for PgTransactionalLayer {
             lease: None,
         };
         let transaction = Arc::new(Checkout::get(&self.pool).await?);
-        let xid = begin_named(&transaction).await?;
+        transaction.client().batch_execute("BEGIN").await?;
         let claim = claim_batch(
             transaction.client(),
             &self.statements,
@@ -295,15 +290,19 @@ impl TierDecision for PgTransactionalLayer {
             RecordStatus::Success,
         )
         .await;
-        let begin = match claim {
-            Ok(mut answers) => answers.remove(0),
+        let (begin, xid) = match claim {
+            Ok(claimed) => (claimed.answers.into_iter().next(), claimed.transaction_id),
             Err(error) => {
                 end(transaction, "ROLLBACK").await;
                 return Err(error);
             }
         };
-        match begin.into_attempt(&request.key, request.fingerprint, self.in_flight_delay) {
-            Ok(_) => {
+        let begin = begin.unwrap_or(Begin::InProgress);
+        match (
+            begin.into_attempt(&request.key, request.fingerprint, self.in_flight_delay),
+            xid,
+        ) {
+            (Ok(_), Some(xid)) => {
                 let handle = PgTransaction(transaction.clone());
                 envelope.extensions_mut().insert(handle);
                 Ok(Enter::Proceed(PgTransactionalTicket {
@@ -312,7 +311,13 @@ impl TierDecision for PgTransactionalLayer {
                     request,
                 }))
             }
-            Err(stop) => {
+            (Ok(_), None) => {
+                end(transaction, "ROLLBACK").await;
+                Err(StoreError::malformed(
+                    "a claim without the claiming transaction's id",
+                ))
+            }
+            (Err(stop), _) => {
                 end(transaction, "ROLLBACK").await;
                 Ok(Enter::Stop(stop))
             }
@@ -328,7 +333,7 @@ impl TierDecision for PgTransactionalLayer {
             request,
         } = ticket;
         let failure = if outcome.is_settled() {
-            match commit(transaction, &xid).await {
+            match commit(transaction, xid).await {
                 Ok(()) => return Ok(outcome),
                 Err(failed) => failed,
             }
@@ -364,7 +369,7 @@ impl PgTransactionalLayer {
 
 /// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
 /// connection lost, when nobody knows; the redelivery then finds out from the record).
-async fn commit(transaction: Arc<Checkout>, xid: &str) -> Result<(), Outcome> {
+async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
     // The envelope, and every handle to the transaction in it, is gone once the stack has
     // answered; a handle still alive (kept in a spawned task, say) could write after the
     // commit, outside the record.
@@ -420,20 +425,6 @@ async fn commit(transaction: Arc<Checkout>, xid: &str) -> Result<(), Outcome> {
         format!("the commit was refused, nothing was committed: {error}"),
         None,
     ))
-}
-
-/// `BEGIN`s on `transaction` and returns the new transaction's id.
-async fn begin_named(transaction: &Checkout) -> Result<String, StoreError> {
-    let answers = transaction.client().simple_query(BEGIN_NAMED).await?;
-    let xid = answers.iter().find_map(|answer| match answer {
-        SimpleQueryMessage::Row(row) => row.get(0),
-        _ => None,
-    });
-    // Only digits go into the commit's text.
-    match xid {
-        Some(xid) if !xid.is_empty() && xid.bytes().all(|byte| byte.is_ascii_digit()) => Ok(xid.to_owned()),
-        _ => Err(StoreError::malformed(format!("txid_current() answered {xid:?}"))),
-    }
 }
 
 /// Ends the transaction with `statement`; the connection goes back to the pool only if that
