@@ -118,16 +118,39 @@ pub fn orders_route(
 ) -> Route<impl crate::RouteStack<Infallible> + use<>> {
     let stack = ServiceBuilder::new()
         .layer(orders_flag(redis.clone(), prefix))
-        .layer(
-            LockLayer::new(
-                RedisLockStore::new(redis).with_prefix(prefix),
-                KeyExtractor::json_pointer("/sku"),
-            )
-            .with_lease(Duration::from_secs(5))
-            .with_busy_delay(Duration::from_millis(100)),
-        )
+        .layer(orders_lock(redis, prefix))
         .service(PgTransactionalLayer::new(pool, records).handler(stock_move));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The stock-deduction route at broker speed: the Redis flag with the record behind it, the
+/// Redis lock on the body's `/sku` and the PostgreSQL record, batched, to the handler
+/// inserting one `stock_moves` row per order in the batch's transaction.
+pub fn batched_orders_route(
+    pool: Pool,
+    records: Table,
+    redis: ConnectionManager,
+    prefix: &str,
+) -> Route<impl crate::RouteStack<Infallible> + use<>> {
+    let stack = ServiceBuilder::new()
+        .layer(orders_flag(redis.clone(), prefix).with_record_behind())
+        .layer(orders_lock(redis, prefix))
+        .service(
+            PgTransactionalLayer::new(pool, records)
+                .batched()
+                .handler(stock_move),
+        );
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// The lock of the stock-deduction routes: one order per product at a time.
+fn orders_lock(redis: ConnectionManager, prefix: &str) -> LockLayer<RedisLockStore<ConnectionManager>> {
+    LockLayer::new(
+        RedisLockStore::new(redis).with_prefix(prefix),
+        KeyExtractor::json_pointer("/sku"),
+    )
+    .with_lease(Duration::from_secs(5))
+    .with_busy_delay(Duration::from_millis(100))
 }
 
 /// The lease of [`flag_record_orders_route`]'s flag: long, so that a recovery that waited

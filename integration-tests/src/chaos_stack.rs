@@ -40,7 +40,7 @@ use tower::ServiceBuilder;
 use tower::layer::util::{Identity, Stack};
 use tower::timeout::TimeoutLayer;
 
-use crate::postgres::schema_pool;
+use crate::postgres::{RecordMode, schema_pool};
 
 /// The environment variable that turns `amqp_consumer` to the chaos stack, and sets the
 /// handler faults of `rocketmq_consumer` (which runs only the chaos stack): the share of
@@ -298,11 +298,19 @@ pub enum ChaosStack {
     /// The Redis flag with the record behind it and the PostgreSQL record, no lock:
     /// [`chaos_flag_record_route`].
     FlagRecord,
+    /// The full stack with the record batched: [`chaos_orders_route`] with
+    /// [`RecordMode::Batched`].
+    Batched,
 }
 
 impl ChaosStack {
     /// Every stack.
-    pub const ALL: [ChaosStack; 3] = [ChaosStack::Full, ChaosStack::FlagOnly, ChaosStack::FlagRecord];
+    pub const ALL: [ChaosStack; 4] = [
+        ChaosStack::Full,
+        ChaosStack::FlagOnly,
+        ChaosStack::FlagRecord,
+        ChaosStack::Batched,
+    ];
 
     /// The stack as command lines name it.
     pub fn name(self) -> &'static str {
@@ -310,6 +318,7 @@ impl ChaosStack {
             ChaosStack::Full => "full",
             ChaosStack::FlagOnly => "flag-only",
             ChaosStack::FlagRecord => "flag-record",
+            ChaosStack::Batched => "batched",
         }
     }
 }
@@ -333,15 +342,17 @@ impl fmt::Display for ChaosStack {
 }
 
 /// The full stack of the chaos run: a `tower::timeout` outermost, then the Redis flag, the
-/// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode, to the
-/// chaos handler writing in the record's transaction. Keyed by the body's `/orderId`.
-/// `pool`'s connections must search the run's schema first; Redis keys start with `prefix`.
+/// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode (`mode`:
+/// per delivery or batched), to the chaos handler writing in the record's transaction.
+/// Keyed by the body's `/orderId`. `pool`'s connections must search the run's schema first;
+/// Redis keys start with `prefix`.
 pub fn chaos_orders_route(
     pool: Pool,
     records: Table,
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
+    mode: RecordMode,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
     let stack = timeout_and_flag(redis.clone(), prefix, false)
         .layer(
@@ -352,8 +363,11 @@ pub fn chaos_orders_route(
             .with_lease(LEASE)
             .with_busy_delay(Duration::from_millis(100)),
         )
-        .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler_service(Effects::InRecordTransaction, faults));
+        .service(mode.stack(
+            &pool,
+            records,
+            handler_service(Effects::InRecordTransaction, faults),
+        ));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 

@@ -1,10 +1,18 @@
 //! PostgreSQL for the tests: pools on `DATABASE_URL`, and a schema of each test's own.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use deadpool_postgres::tokio_postgres::config::Host;
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use oncely::postgres::Table;
-use oncely::record::PgTransaction;
-use oncely::{BusinessKey, Envelope, HandlerError};
+use oncely::record::{PgTransaction, PgTransactionalLayer, TransactionSafe};
+use oncely::{BoxError, BusinessKey, Envelope, HandlerError, Outcome};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tower::util::BoxCloneSyncService;
+use tower::{Layer, ServiceExt};
 
 /// The PostgreSQL the tests use: `DATABASE_URL`, or `postgres://postgres@127.0.0.1:5432/test`.
 pub fn database_url() -> String {
@@ -25,7 +33,10 @@ pub fn schema_pool(schema: &str, size: usize) -> Pool {
 }
 
 fn pool_on(url: &str, size: usize) -> Pool {
-    let config: Config = url.parse().expect("a valid DATABASE_URL");
+    pool_with(url.parse().expect("a valid DATABASE_URL"), size)
+}
+
+fn pool_with(config: Config, size: usize) -> Pool {
     let manager = Manager::from_config(
         config,
         NoTls,
@@ -141,4 +152,160 @@ pub async fn stock_move(tx: PgTransaction, order: BusinessKey) -> Result<(), Han
     )
     .await?;
     Ok(())
+}
+
+/// How a test runs the transactional record: one transaction per delivery, or batched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordMode {
+    /// `PgTransactionalLayer`.
+    PerDelivery,
+    /// `PgTransactionalLayer::batched()`, with its defaults.
+    Batched,
+}
+
+/// The stack a [`RecordMode`] builds, boxed so that both modes have one type.
+pub type BoxedStack = BoxCloneSyncService<Envelope, Outcome, BoxError>;
+
+impl RecordMode {
+    /// Both modes: the suites that hold for the transactional record run in each.
+    pub const ALL: [RecordMode; 2] = [RecordMode::PerDelivery, RecordMode::Batched];
+
+    /// `handler` behind the transactional record on `pool` and `table`, in this mode.
+    pub fn stack<S>(self, pool: &Pool, table: Table, handler: S) -> BoxedStack
+    where
+        S: tower::Service<Envelope, Response = Outcome> + TransactionSafe + Clone + Send + Sync + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        let records = PgTransactionalLayer::new(pool.clone(), table);
+        match self {
+            RecordMode::PerDelivery => BoxCloneSyncService::new(records.layer(handler).map_err(Into::into)),
+            RecordMode::Batched => {
+                BoxCloneSyncService::new(records.batched().layer(handler).map_err(Into::into))
+            }
+        }
+    }
+}
+
+/// A TCP proxy in front of `DATABASE_URL`'s server that can lose the answer to a commit:
+/// once [armed](CommitAnswerThief::arm), the next connection whose client sends a `COMMIT`
+/// gets cut off as soon as the server's answer says `COMMIT` — the server committed, the
+/// client never hears it, as when a network path or the client's host fails at that moment.
+#[derive(Debug)]
+pub struct CommitAnswerThief {
+    port: u16,
+    armed: Arc<AtomicBool>,
+    stolen: Arc<AtomicUsize>,
+}
+
+impl CommitAnswerThief {
+    /// Starts the proxy on a free loopback port, on the current runtime.
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a free port");
+        let port = listener.local_addr().expect("the port").port();
+        let config: Config = database_url().parse().expect("a valid DATABASE_URL");
+        let server = match (config.get_hosts().first(), config.get_ports().first()) {
+            (Some(Host::Tcp(host)), port) => format!("{host}:{}", port.copied().unwrap_or(5432)),
+            _ => panic!("the proxy needs DATABASE_URL to name a TCP host"),
+        };
+        let (armed, stolen) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let thief = CommitAnswerThief {
+            port,
+            armed: armed.clone(),
+            stolen: stolen.clone(),
+        };
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(&server).await.expect("PostgreSQL");
+                tokio::spawn(relay(client, server, armed.clone(), stolen.clone()));
+            }
+        });
+        thief
+    }
+
+    /// The next `COMMIT` sent through the proxy loses its answer.
+    pub fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// How many commit answers were lost so far.
+    pub fn stolen(&self) -> usize {
+        self.stolen.load(Ordering::SeqCst)
+    }
+
+    /// A pool of `size` connections through the proxy that search `schema` first.
+    pub fn schema_pool(&self, schema: &str, size: usize) -> Pool {
+        // `Config::host` adds a host to the URL's rather than replacing it: start afresh.
+        let server: Config = database_url().parse().expect("a valid DATABASE_URL");
+        let mut config = Config::new();
+        config
+            .host("127.0.0.1")
+            .port(self.port)
+            .options(format!("-csearch_path={schema}"));
+        if let Some(user) = server.get_user() {
+            config.user(user);
+        }
+        if let Some(password) = server.get_password() {
+            config.password(password);
+        }
+        if let Some(database) = server.get_dbname() {
+            config.dbname(database);
+        }
+        pool_with(config, size)
+    }
+}
+
+/// Copies bytes both ways; see [`CommitAnswerThief`].
+async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>, stolen: Arc<AtomicUsize>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let marked = Arc::new(AtomicBool::new(false));
+    let to_server = {
+        let marked = marked.clone();
+        async move {
+            let mut buffer = vec![0; 64 * 1024];
+            loop {
+                let read = match client_read.read(&mut buffer).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(read) => read,
+                };
+                let chunk = &buffer[..read];
+                if contains(chunk, b"COMMIT") && armed.swap(false, Ordering::SeqCst) {
+                    marked.store(true, Ordering::SeqCst);
+                }
+                if server_write.write_all(chunk).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let to_client = async move {
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            let read = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(read) => read,
+            };
+            let chunk = &buffer[..read];
+            // The command tag the server sends once the commit is durable.
+            if marked.load(Ordering::SeqCst) && contains(chunk, b"COMMIT\0") {
+                stolen.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            if client_write.write_all(chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    // Whichever direction ends first ends both: the client sees its connection close.
+    tokio::select! {
+        () = to_server => {}
+        () = to_client => {}
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|window| window == needle)
 }

@@ -8,8 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
-use oncely::record::{PgTransaction, PgTransactionalLayer};
+use integration_tests::postgres::{
+    BoxedStack, RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool,
+};
+use oncely::record::PgTransaction;
 use oncely::{
     DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Source,
     handler_fn,
@@ -58,25 +60,19 @@ async fn moves_of(schema: &ScratchSchema, key: &str) -> i64 {
         .await
 }
 
-/// The transactional record on `pool` in front of `handler`, keyed by the body's `/orderId`.
+/// The transactional record in `mode` on `pool` in front of `handler`, keyed by the body's
+/// `/orderId`.
 fn transactional<F, Fut>(
+    mode: RecordMode,
     pool: &Pool,
     schema: &ScratchSchema,
     handler: F,
-) -> Route<
-    impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync
-    + use<F, Fut>,
->
+) -> Route<BoxedStack>
 where
     F: FnMut(Envelope) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<(), HandlerError>> + Send + 'static,
 {
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler_fn(handler));
+    let stack = mode.stack(pool, schema.records(), handler_fn(handler));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
@@ -98,57 +94,68 @@ async fn swallowing_handler(envelope: Envelope, bug: &str) -> Result<(), Handler
 
 #[tokio::test]
 async fn a_swallowed_statement_error_is_retried_never_acked_as_processed() {
-    for bug in [
-        "SELECT 1/0",
-        // The same order again: a unique violation the handler takes for "already applied".
-        "INSERT INTO stock_moves (order_id) SELECT order_id FROM stock_moves",
-    ] {
-        let (schema, pool) = stock_schema(4).await;
-        let route = transactional(&pool, &schema, move |envelope| swallowing_handler(envelope, bug));
+    for mode in RecordMode::ALL {
+        for bug in [
+            "SELECT 1/0",
+            // The same order again: a unique violation the handler takes for "already applied".
+            "INSERT INTO stock_moves (order_id) SELECT order_id FROM stock_moves",
+        ] {
+            let (schema, pool) = stock_schema(4).await;
+            let route = transactional(mode, &pool, &schema, move |envelope| {
+                swallowing_handler(envelope, bug)
+            });
 
-        handled_as_failed_with_nothing_committed(&route, &schema, "o-1", bug).await;
-        assert_eq!(
-            status_of(&schema, "o-1").await.as_deref(),
-            Some("FAILURE"),
-            "{bug}: the attempt is noted, not recorded as done"
-        );
+            handled_as_failed_with_nothing_committed(&route, &schema, "o-1", bug).await;
+            assert_eq!(
+                status_of(&schema, "o-1").await.as_deref(),
+                Some("FAILURE"),
+                "{bug}: the attempt is noted, not recorded as done"
+            );
 
-        // The redelivery, handled by a fixed handler, applies the effect once.
-        let route = transactional(&pool, &schema, |envelope: Envelope| async move {
-            insert_stock_move(&envelope).await
-        });
-        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{bug}");
-        assert_eq!(moves_of(&schema, "o-1").await, 1, "{bug}");
+            // The redelivery, handled by a fixed handler, applies the effect once.
+            let route = transactional(mode, &pool, &schema, |envelope: Envelope| async move {
+                insert_stock_move(&envelope).await
+            });
+            assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{bug}");
+            assert_eq!(moves_of(&schema, "o-1").await, 1, "{bug}");
+        }
     }
 }
 
 #[tokio::test]
 async fn a_handler_that_ends_the_transaction_itself_is_retried() {
-    // A write then "ROLLBACK"; or "ROLLBACK; BEGIN" then a write, which would commit
-    // without the key's record and be applied again by the retry: the commit checks the
-    // transaction is still the one that claimed the key. (A write after a bare "ROLLBACK"
-    // commits on its own at once: nothing can take that back.)
-    for (ending, write_first) in [("ROLLBACK", true), ("ROLLBACK; BEGIN", false)] {
-        let (schema, pool) = stock_schema(4).await;
-        let first = Arc::new(AtomicUsize::new(0));
-        let route = transactional(&pool, &schema, move |envelope: Envelope| {
-            let misbehaves = first.fetch_add(1, Ordering::SeqCst) == 0;
-            async move {
-                if write_first || !misbehaves {
-                    insert_stock_move(&envelope).await?;
-                }
-                if misbehaves {
-                    the_transaction(&envelope).client().batch_execute(ending).await?;
-                    if !write_first {
+    for mode in RecordMode::ALL {
+        // A write then "ROLLBACK"; or "ROLLBACK" (with or without a "BEGIN") then a write, which
+        // would commit without the key's record and be applied again by the retry: the commit
+        // checks the transaction is still the one that claimed the key, and outside it the
+        // session is read-only.
+        for (ending, write_first) in [
+            ("ROLLBACK", true),
+            ("ROLLBACK; BEGIN", false),
+            ("ROLLBACK", false),
+        ] {
+            let (schema, pool) = stock_schema(4).await;
+            let first = Arc::new(AtomicUsize::new(0));
+            let route = transactional(mode, &pool, &schema, move |envelope: Envelope| {
+                let misbehaves = first.fetch_add(1, Ordering::SeqCst) == 0;
+                async move {
+                    if write_first || !misbehaves {
                         insert_stock_move(&envelope).await?;
                     }
+                    if misbehaves {
+                        the_transaction(&envelope).client().batch_execute(ending).await?;
+                        if !write_first {
+                            insert_stock_move(&envelope).await?;
+                        }
+                    }
+                    Ok::<(), HandlerError>(())
                 }
-                Ok::<(), HandlerError>(())
-            }
-        });
-        handled_as_failed_with_nothing_committed(&route, &schema, "o-1", ending).await;
-        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{ending}");
-        assert_eq!(moves_of(&schema, "o-1").await, 1, "{ending}: applied once");
+            });
+            handled_as_failed_with_nothing_committed(&route, &schema, "o-1", &format!("{mode:?} {ending}"))
+                .await;
+            assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{ending}");
+            assert_eq!(moves_of(&schema, "o-1").await, 1, "{ending}: applied once");
+        }
     }
 }
 
@@ -163,6 +170,7 @@ enum Fault {
 /// faulty one used: writes the stock move, then on the first call panics or hangs past a
 /// `tower` timeout placed in front of the whole stack.
 fn faulty_route(
+    mode: RecordMode,
     pool: &Pool,
     schema: &ScratchSchema,
     fault: Fault,
@@ -188,79 +196,85 @@ fn faulty_route(
     });
     let stack = ServiceBuilder::new()
         .layer(TimeoutLayer::new(Duration::from_millis(300)))
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler);
+        .service(mode.stack(pool, schema.records(), handler));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_or_a_timeout_mid_transaction_commits_nothing_and_poisons_no_connection() {
-    for (fault, reason) in [
-        (Fault::Panic, RetryReason::HandlerPanicked),
-        (Fault::Hang, RetryReason::HandlerFailed),
-    ] {
-        let (schema, pool) = stock_schema(1).await;
-        let route = faulty_route(&pool, &schema, fault);
+    for mode in RecordMode::ALL {
+        for (fault, reason) in [
+            (Fault::Panic, RetryReason::HandlerPanicked),
+            (Fault::Hang, RetryReason::HandlerFailed),
+        ] {
+            let (schema, pool) = stock_schema(1).await;
+            let route = faulty_route(mode, &pool, &schema, fault);
 
-        let outcome = route.handle(order("o-cut")).await;
-        assert_eq!(outcome.retry_reason(), Some(reason), "{fault:?}: {outcome}");
-        // The next delivery on the pool's one connection must not commit the abandoned one.
-        assert_eq!(
-            route.handle(order("o-next")).await,
-            Outcome::Processed,
-            "{fault:?}"
-        );
-        assert_eq!(
-            moves_of(&schema, "o-cut").await,
-            0,
-            "{fault:?}: half an effect committed"
-        );
-        assert_eq!(status_of(&schema, "o-cut").await, None, "{fault:?}");
+            let outcome = route.handle(order("o-cut")).await;
+            assert_eq!(outcome.retry_reason(), Some(reason), "{fault:?}: {outcome}");
+            // The next delivery on the pool's one connection must not commit the abandoned one.
+            assert_eq!(
+                route.handle(order("o-next")).await,
+                Outcome::Processed,
+                "{fault:?}"
+            );
+            assert_eq!(
+                moves_of(&schema, "o-cut").await,
+                0,
+                "{fault:?}: half an effect committed"
+            );
+            assert_eq!(status_of(&schema, "o-cut").await, None, "{fault:?}");
 
-        // The abandoned delivery's retry is new work, not a duplicate, and is not blocked.
-        assert_eq!(
-            route.handle(order("o-cut")).await,
-            Outcome::Processed,
-            "{fault:?}"
-        );
-        assert_eq!(moves_of(&schema, "o-cut").await, 1, "{fault:?}");
-        assert_eq!(moves_of(&schema, "o-next").await, 1, "{fault:?}");
+            // The abandoned delivery's retry is new work, not a duplicate, and is not blocked.
+            assert_eq!(
+                route.handle(order("o-cut")).await,
+                Outcome::Processed,
+                "{fault:?}"
+            );
+            assert_eq!(moves_of(&schema, "o-cut").await, 1, "{fault:?}");
+            assert_eq!(moves_of(&schema, "o-next").await, 1, "{fault:?}");
+        }
     }
 }
 
 #[tokio::test]
 async fn a_panic_at_the_attempt_limit_is_dead_lettered_saying_it_panicked() {
-    let (schema, pool) = stock_schema(2).await;
-    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
-        insert_stock_move(&envelope).await?;
-        panic!("index out of bounds");
-        #[allow(unreachable_code)]
-        Ok::<(), HandlerError>(())
-    })
-    .with_max_attempts(2);
-    let first = route.handle(order("o-1")).await;
-    assert_eq!(
-        first.retry_reason(),
-        Some(RetryReason::HandlerPanicked),
-        "{first}"
-    );
-    let last = route.handle(order("o-1").with_attempt(2)).await;
-    match &last {
-        Outcome::DeadLetter(dead) => {
-            assert_eq!(dead.reason, DeadLetterReason::AttemptsExhausted);
-            assert!(dead.detail.contains("panicked: index out of bounds"), "{dead}");
+    for mode in RecordMode::ALL {
+        let (schema, pool) = stock_schema(2).await;
+        let route = transactional(mode, &pool, &schema, |envelope: Envelope| async move {
+            insert_stock_move(&envelope).await?;
+            panic!("index out of bounds");
+            #[allow(unreachable_code)]
+            Ok::<(), HandlerError>(())
+        })
+        .with_max_attempts(2);
+        let first = route.handle(order("o-1")).await;
+        assert_eq!(
+            first.retry_reason(),
+            Some(RetryReason::HandlerPanicked),
+            "{first}"
+        );
+        let last = route.handle(order("o-1").with_attempt(2)).await;
+        match &last {
+            Outcome::DeadLetter(dead) => {
+                assert_eq!(dead.reason, DeadLetterReason::AttemptsExhausted);
+                assert!(dead.detail.contains("panicked: index out of bounds"), "{dead}");
+            }
+            other => panic!("expected a dead letter, got {other}"),
         }
-        other => panic!("expected a dead letter, got {other}"),
+        assert_eq!(moves_of(&schema, "o-1").await, 0);
     }
-    assert_eq!(moves_of(&schema, "o-1").await, 0);
 }
 
 #[tokio::test]
 async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
     let (schema, pool) = stock_schema(2).await;
-    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
-        insert_stock_move(&envelope).await
-    })
+    let route = transactional(
+        RecordMode::Batched,
+        &pool,
+        &schema,
+        |envelope: Envelope| async move { insert_stock_move(&envelope).await },
+    )
     .with_max_body_len(1024 * 1024);
     let source = || Source::new("orders");
     let cases = [
@@ -296,7 +310,7 @@ async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
 /// failure, with no stock move committed; returns the outcome's text. `case` names the case
 /// in failure messages.
 async fn handled_as_failed_with_nothing_committed<
-    S: integration_tests::RouteStack<std::convert::Infallible> + 'static,
+    S: integration_tests::RouteStack<oncely::BoxError> + 'static,
 >(
     route: &Route<S>,
     schema: &ScratchSchema,
@@ -315,49 +329,53 @@ async fn handled_as_failed_with_nothing_committed<
 
 #[tokio::test]
 async fn a_handler_that_keeps_its_transaction_past_its_answer_commits_nothing() {
-    let (schema, pool) = stock_schema(2).await;
-    let kept: Arc<std::sync::Mutex<Option<PgTransaction>>> = Arc::default();
-    let keeper = kept.clone();
-    let route = transactional(&pool, &schema, move |envelope: Envelope| {
-        let keeper = keeper.clone();
-        async move {
-            insert_stock_move(&envelope).await?;
-            // E.g. handed to a task that writes later, outside the record.
-            *keeper.lock().unwrap() = Some(the_transaction(&envelope));
-            Ok::<(), HandlerError>(())
-        }
-    });
-    handled_as_failed_with_nothing_committed(&route, &schema, "o-1", "kept").await;
-    drop(kept.lock().unwrap().take());
+    for mode in RecordMode::ALL {
+        let (schema, pool) = stock_schema(2).await;
+        let kept: Arc<std::sync::Mutex<Option<PgTransaction>>> = Arc::default();
+        let keeper = kept.clone();
+        let route = transactional(mode, &pool, &schema, move |envelope: Envelope| {
+            let keeper = keeper.clone();
+            async move {
+                insert_stock_move(&envelope).await?;
+                // E.g. handed to a task that writes later, outside the record.
+                *keeper.lock().unwrap() = Some(the_transaction(&envelope));
+                Ok::<(), HandlerError>(())
+            }
+        });
+        handled_as_failed_with_nothing_committed(&route, &schema, "o-1", "kept").await;
+        drop(kept.lock().unwrap().take());
+    }
 }
 
 #[tokio::test]
 async fn a_commit_the_server_refuses_is_retried_and_its_connection_reused() {
-    let (schema, pool) = stock_schema(1).await;
-    schema
+    for mode in RecordMode::ALL {
+        let (schema, pool) = stock_schema(1).await;
+        schema
         .execute(
             "CREATE TABLE ledger (entry TEXT NOT NULL, CONSTRAINT one_entry UNIQUE (entry) DEFERRABLE INITIALLY DEFERRED)",
         )
         .await;
-    let route = transactional(&pool, &schema, |envelope: Envelope| async move {
-        insert_stock_move(&envelope).await?;
-        let entries = if envelope.key().as_str() == "o-twice" {
-            2
-        } else {
-            1
-        };
-        for _ in 0..entries {
-            the_transaction(&envelope)
-                .client()
-                .execute(
-                    "INSERT INTO ledger (entry) VALUES ($1)",
-                    &[&envelope.key().as_str()],
-                )
-                .await?;
-        }
-        Ok::<(), HandlerError>(())
-    });
-    let outcome = handled_as_failed_with_nothing_committed(&route, &schema, "o-twice", "refused").await;
-    assert!(outcome.contains("commit was refused"), "{outcome}");
-    assert_eq!(route.handle(order("o-once")).await, Outcome::Processed);
+        let route = transactional(mode, &pool, &schema, |envelope: Envelope| async move {
+            insert_stock_move(&envelope).await?;
+            let entries = if envelope.key().as_str() == "o-twice" {
+                2
+            } else {
+                1
+            };
+            for _ in 0..entries {
+                the_transaction(&envelope)
+                    .client()
+                    .execute(
+                        "INSERT INTO ledger (entry) VALUES ($1)",
+                        &[&envelope.key().as_str()],
+                    )
+                    .await?;
+            }
+            Ok::<(), HandlerError>(())
+        });
+        let outcome = handled_as_failed_with_nothing_committed(&route, &schema, "o-twice", "refused").await;
+        assert!(outcome.contains("commit was refused"), "{outcome}");
+        assert_eq!(route.handle(order("o-once")).await, Outcome::Processed);
+    }
 }

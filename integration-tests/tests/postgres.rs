@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
+use integration_tests::postgres::{
+    BoxedStack, RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool,
+};
 use oncely::postgres::StatusColumns;
 use oncely::record::{
-    Begin, PgRecordStore, PgTransaction, PgTransactionalLayer, ReconcileReport, Reconciler, RecordStatus,
-    RecordStore,
+    Begin, PgRecordStore, PgTransaction, ReconcileReport, Reconciler, RecordStatus, RecordStore,
 };
 use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine, StateStore};
 use oncely::{
@@ -73,204 +74,204 @@ fn deduct_stock(
 /// The test's schema with a `stock_moves` business table, a pool whose connections search
 /// that schema first (so handlers write unqualified), and the transactional route on them.
 async fn transactional_route(
+    mode: RecordMode,
     fail: impl Fn(usize) -> bool + Clone + Send + Sync + 'static,
-) -> (
-    ScratchSchema,
-    deadpool_postgres::Pool,
-    Route<
-        impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
-        + Clone
-        + Send
-        + Sync,
-    >,
-) {
+) -> (ScratchSchema, deadpool_postgres::Pool, Route<BoxedStack>) {
     let schema = ScratchSchema::new(&pool(2)).await;
     schema
         .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)")
         .await;
     let pool = schema_pool(schema.name(), 32);
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(deduct_stock(fail));
+    let stack = mode.stack(&pool, schema.records(), deduct_stock(fail));
     let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
     (schema, pool, route)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn thirty_two_concurrent_deliveries_of_one_key_write_one_business_row() {
-    let (schema, _pool, route) = transactional_route(|_| false).await;
-    let tasks: Vec<_> = (0..32)
-        .map(|_| {
-            let route = route.clone();
-            tokio::spawn(async move { route.handle(order("o-1")).await })
-        })
-        .collect();
-    let mut outcomes = Vec::new();
-    for task in tasks {
-        outcomes.push(task.await.unwrap());
+    for mode in RecordMode::ALL {
+        let (schema, _pool, route) = transactional_route(mode, |_| false).await;
+        let tasks: Vec<_> = (0..32)
+            .map(|_| {
+                let route = route.clone();
+                tokio::spawn(async move { route.handle(order("o-1")).await })
+            })
+            .collect();
+        let mut outcomes = Vec::new();
+        for task in tasks {
+            outcomes.push(task.await.unwrap());
+        }
+        assert_eq!(
+            outcomes.iter().filter(|o| **o == Outcome::Processed).count(),
+            1,
+            "{outcomes:?}"
+        );
+        assert!(
+            outcomes.iter().all(|o| o.is_settled()),
+            "the others are duplicates: {outcomes:?}"
+        );
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+        assert_eq!(
+            schema
+                .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
+                .await,
+            1
+        );
     }
-    assert_eq!(
-        outcomes.iter().filter(|o| **o == Outcome::Processed).count(),
-        1,
-        "{outcomes:?}"
-    );
-    assert!(
-        outcomes.iter().all(|o| o.is_settled()),
-        "the others are duplicates: {outcomes:?}"
-    );
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
-    assert_eq!(
-        schema
-            .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
-            .await,
-        1
-    );
 }
 
 #[tokio::test]
 async fn a_failed_handler_rolls_back_its_writes_with_the_record() {
-    let (schema, pool, route) = transactional_route(|call| call == 0).await;
+    for mode in RecordMode::ALL {
+        let (schema, pool, route) = transactional_route(mode, |call| call == 0).await;
 
-    let failed = route.handle(order("o-1")).await;
-    assert_eq!(failed.retry_reason(), Some(RetryReason::HandlerFailed));
-    assert_eq!(
-        schema.count("SELECT count(*) FROM stock_moves").await,
-        0,
-        "the business write rolled back"
-    );
-    let record = PgRecordStore::new(pool.clone(), schema.records());
-    let noted = record
-        .get(&BusinessKey::new("o-1"))
-        .await
-        .unwrap()
-        .expect("the failure is noted");
-    assert_eq!(noted.status, RecordStatus::Failure);
-    assert!(noted.last_error.unwrap().contains("payment service timed out"));
+        let failed = route.handle(order("o-1")).await;
+        assert_eq!(failed.retry_reason(), Some(RetryReason::HandlerFailed));
+        assert_eq!(
+            schema.count("SELECT count(*) FROM stock_moves").await,
+            0,
+            "the business write rolled back"
+        );
+        let record = PgRecordStore::new(pool.clone(), schema.records());
+        let noted = record
+            .get(&BusinessKey::new("o-1"))
+            .await
+            .unwrap()
+            .expect("the failure is noted");
+        assert_eq!(noted.status, RecordStatus::Failure);
+        assert!(noted.last_error.unwrap().contains("payment service timed out"));
 
-    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
-    let done = record.get(&BusinessKey::new("o-1")).await.unwrap().unwrap();
-    assert_eq!(
-        (done.status, done.attempts),
-        (RecordStatus::Success, 2),
-        "the second attempt took the failed one over"
-    );
+        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+        let done = record.get(&BusinessKey::new("o-1")).await.unwrap().unwrap();
+        assert_eq!(
+            (done.status, done.attempts),
+            (RecordStatus::Success, 2),
+            "the second attempt took the failed one over"
+        );
+    }
 }
 
 #[tokio::test]
 async fn a_crash_between_commit_and_ack_makes_the_redelivery_a_duplicate() {
-    let (schema, _pool, route) = transactional_route(|_| false).await;
-    // The first answer is "lost" with the ack: the broker redelivers the same message.
-    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
-    let redelivery = order("o-1").with_attempt(2).with_redelivered(true);
-    assert_eq!(
-        route.handle(redelivery).await,
-        Outcome::Duplicate { tier: Tier::Record }
-    );
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+    for mode in RecordMode::ALL {
+        let (schema, _pool, route) = transactional_route(mode, |_| false).await;
+        // The first answer is "lost" with the ack: the broker redelivers the same message.
+        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+        let redelivery = order("o-1").with_attempt(2).with_redelivered(true);
+        assert_eq!(
+            route.handle(redelivery).await,
+            Outcome::Duplicate { tier: Tier::Record }
+        );
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+    }
 }
 
 #[tokio::test]
 async fn the_same_key_with_another_payload_is_dead_lettered_by_the_record() {
-    let (schema, _pool, route) = transactional_route(|_| false).await;
-    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
-    let reused = Delivery::new(Source::new("orders"), r#"{"orderId":"o-1","sku":"sku-2"}"#);
-    let outcome = route.handle(reused).await;
-    assert_eq!(
-        outcome.dead_letter_reason(),
-        Some(oncely::DeadLetterReason::PayloadMismatch)
-    );
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+    for mode in RecordMode::ALL {
+        let (schema, _pool, route) = transactional_route(mode, |_| false).await;
+        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+        let reused = Delivery::new(Source::new("orders"), r#"{"orderId":"o-1","sku":"sku-2"}"#);
+        let outcome = route.handle(reused).await;
+        assert_eq!(
+            outcome.dead_letter_reason(),
+            Some(oncely::DeadLetterReason::PayloadMismatch)
+        );
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+    }
 }
 
 #[tokio::test]
 async fn the_transactional_record_applies_the_routes_fingerprint_policy() {
-    let (schema, _pool, route) = transactional_route(|_| false).await;
-    let sent = |id: &str, sku: &str, at: u32| {
-        Delivery::new(
-            Source::new("orders"),
-            format!(r#"{{"orderId":"{id}","sku":"{sku}","sentAt":{at}}}"#),
-        )
-    };
-    let fields = route.with_fingerprint(oncely::FingerprintPolicy::fields(["/sku"]).unwrap());
-    assert_eq!(fields.handle(sent("o-1", "sku-1", 1)).await, Outcome::Processed);
-    assert_eq!(
-        fields.handle(sent("o-1", "sku-1", 2)).await,
-        Outcome::Duplicate {
-            tier: oncely::Tier::Record
-        },
-        "fields: sentAt is not compared"
-    );
-    assert_eq!(
-        fields.handle(sent("o-1", "sku-2", 3)).await.dead_letter_reason(),
-        Some(oncely::DeadLetterReason::PayloadMismatch)
-    );
-    let off = fields.with_fingerprint(oncely::FingerprintPolicy::off());
-    assert_eq!(
-        off.handle(sent("o-1", "sku-2", 4)).await,
-        Outcome::Duplicate {
-            tier: oncely::Tier::Record
-        },
-        "off: any payload of a recorded key is a duplicate"
-    );
-    assert_eq!(off.handle(sent("o-2", "sku-9", 5)).await, Outcome::Processed);
-    assert_eq!(
-        off.handle(sent("o-2", "sku-1", 6)).await,
-        Outcome::Duplicate {
-            tier: oncely::Tier::Record
-        }
-    );
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 2);
+    for mode in RecordMode::ALL {
+        let (schema, _pool, route) = transactional_route(mode, |_| false).await;
+        let sent = |id: &str, sku: &str, at: u32| {
+            Delivery::new(
+                Source::new("orders"),
+                format!(r#"{{"orderId":"{id}","sku":"{sku}","sentAt":{at}}}"#),
+            )
+        };
+        let fields = route.with_fingerprint(oncely::FingerprintPolicy::fields(["/sku"]).unwrap());
+        assert_eq!(fields.handle(sent("o-1", "sku-1", 1)).await, Outcome::Processed);
+        assert_eq!(
+            fields.handle(sent("o-1", "sku-1", 2)).await,
+            Outcome::Duplicate {
+                tier: oncely::Tier::Record
+            },
+            "fields: sentAt is not compared"
+        );
+        assert_eq!(
+            fields.handle(sent("o-1", "sku-2", 3)).await.dead_letter_reason(),
+            Some(oncely::DeadLetterReason::PayloadMismatch)
+        );
+        let off = fields.with_fingerprint(oncely::FingerprintPolicy::off());
+        assert_eq!(
+            off.handle(sent("o-1", "sku-2", 4)).await,
+            Outcome::Duplicate {
+                tier: oncely::Tier::Record
+            },
+            "off: any payload of a recorded key is a duplicate"
+        );
+        assert_eq!(off.handle(sent("o-2", "sku-9", 5)).await, Outcome::Processed);
+        assert_eq!(
+            off.handle(sent("o-2", "sku-1", 6)).await,
+            Outcome::Duplicate {
+                tier: oncely::Tier::Record
+            }
+        );
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 2);
+    }
 }
 
 #[tokio::test]
 async fn a_connection_killed_mid_transaction_retries_later_and_leaves_no_partial_state() {
-    let schema = ScratchSchema::new(&pool(2)).await;
-    let pool = schema_pool(schema.name(), 4);
-    schema
-        .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)")
-        .await;
-    let killer = pool.clone();
-    let kill_first = Arc::new(AtomicUsize::new(0));
-    let handler = handler_fn(move |envelope: Envelope| {
-        let (killer, kill_first) = (killer.clone(), kill_first.clone());
-        async move {
-            let tx = envelope.extensions().get::<PgTransaction>().unwrap().clone();
-            tx.client()
-                .execute(
-                    "INSERT INTO stock_moves (order_id) VALUES ($1)",
-                    &[&envelope.key().as_str()],
-                )
-                .await?;
-            if kill_first.fetch_add(1, Ordering::SeqCst) == 0 {
-                let pid: i32 = tx
-                    .client()
-                    .query_one("SELECT pg_backend_pid()", &[])
-                    .await?
-                    .get(0);
-                let other = killer.get().await.map_err(HandlerError::transient)?;
-                other.execute("SELECT pg_terminate_backend($1)", &[&pid]).await?;
-            }
-            tx.client().execute("SELECT 1", &[]).await?;
-            Ok::<(), HandlerError>(())
-        }
-    });
-    let stack = ServiceBuilder::new()
-        .layer(PgTransactionalLayer::new(pool.clone(), schema.records()))
-        .service(handler);
-    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
-
-    let killed = route.handle(order("o-1")).await;
-    assert!(matches!(killed, Outcome::RetryLater(_)), "{killed:?}");
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 0);
-    assert_eq!(
+    for mode in RecordMode::ALL {
+        let schema = ScratchSchema::new(&pool(2)).await;
+        let pool = schema_pool(schema.name(), 4);
         schema
-            .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
-            .await,
-        0
-    );
-    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
-    assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+            .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL)")
+            .await;
+        let killer = pool.clone();
+        let kill_first = Arc::new(AtomicUsize::new(0));
+        let handler = handler_fn(move |envelope: Envelope| {
+            let (killer, kill_first) = (killer.clone(), kill_first.clone());
+            async move {
+                let tx = envelope.extensions().get::<PgTransaction>().unwrap().clone();
+                tx.client()
+                    .execute(
+                        "INSERT INTO stock_moves (order_id) VALUES ($1)",
+                        &[&envelope.key().as_str()],
+                    )
+                    .await?;
+                if kill_first.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let pid: i32 = tx
+                        .client()
+                        .query_one("SELECT pg_backend_pid()", &[])
+                        .await?
+                        .get(0);
+                    let other = killer.get().await.map_err(HandlerError::transient)?;
+                    other.execute("SELECT pg_terminate_backend($1)", &[&pid]).await?;
+                }
+                tx.client().execute("SELECT 1", &[]).await?;
+                Ok::<(), HandlerError>(())
+            }
+        });
+        let stack = mode.stack(&pool, schema.records(), handler);
+        let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+
+        let killed = route.handle(order("o-1")).await;
+        assert!(matches!(killed, Outcome::RetryLater(_)), "{killed:?}");
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 0);
+        assert_eq!(
+            schema
+                .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
+                .await,
+            0
+        );
+        assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+        assert_eq!(schema.count("SELECT count(*) FROM stock_moves").await, 1);
+    }
 }
 
 #[tokio::test]

@@ -229,7 +229,7 @@ where
 }
 
 /// The text a panic was raised with, when it has one.
-fn panic_message(panic: &(dyn Any + Send)) -> &str {
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()

@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures_util::future::join_all;
 use oncely::{BoxError, BrokerAction, DeadLetter, Envelope, Outcome, RetryReason, Route, dead_letter};
 use rocketmq_client_rust::{
     ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus, ConsumeOrderlyContext,
@@ -25,7 +26,9 @@ use crate::drain::Progress;
 /// | dead letter | the copy goes to the [`DeadLetterTopic`] with the dead-letter metadata of [`oncely::dead_letter`] (source: the topic); once the broker stored it, `ConsumeSuccess`; if that send fails, `ReconsumeLater` |
 ///
 /// A batch (`consume_message_batch_max_size` > 1) is settled as one, as RocketMQ's status
-/// is per batch: every message of it is run, and if any needs a retry, the whole batch comes
+/// is per batch: every message of it is run, all at once — behind a
+/// oncely's `PgBatchedLayer` they join one transaction when a lane is
+/// free, so the batch commits once — and if any needs a retry, the whole batch comes
 /// back; the ones already done then answer `Duplicate`. A dead letter written for such a
 /// batch may be written again when the batch returns.
 ///
@@ -123,25 +126,9 @@ where
         let settler = &self.settler;
         let _in_flight = settler.arrived(messages);
         let retry = block_on(&settler.runtime, async {
-            let mut retry = false;
-            for message in messages {
-                let started = std::time::Instant::now();
-                retry |= loop {
-                    let (settled, outcome) = settler.settle(message).await;
-                    if let Settled::Wait { delay } = settled
-                        && started.elapsed() < WAIT_IN_PLACE
-                    {
-                        tokio::time::sleep(delay.unwrap_or(Duration::from_millis(100))).await;
-                        continue;
-                    }
-                    settler.count(&settled, &outcome);
-                    break match settled {
-                        Settled::Done => false,
-                        Settled::Wait { .. } | Settled::Retry { .. } => true,
-                    };
-                };
-            }
-            retry
+            // All at once: behind a batched record they share its transactions.
+            let retries = join_all(messages.iter().map(|message| settler.settle_in_place(message))).await;
+            retries.contains(&true)
         });
         Ok(if retry {
             // RocketMQ's status is per batch: every message of it comes back.
@@ -261,6 +248,27 @@ where
             // The dead letter could not be stored: the message comes back unsettled.
             (Settled::Retry { .. }, Outcome::DeadLetter(_)) => tally.unsettled(),
             _ => tally.settled(outcome),
+        }
+    }
+
+    /// Settles `message` as [`settle`](Settler::settle) does, but while another delivery of
+    /// its key is in flight, waits in place (up to [`WAIT_IN_PLACE`]) rather than sending the
+    /// message back; counts the settlement and says whether the message needs a retry.
+    async fn settle_in_place(&self, message: &MessageExt) -> bool {
+        let started = std::time::Instant::now();
+        loop {
+            let (settled, outcome) = self.settle(message).await;
+            if let Settled::Wait { delay } = settled
+                && started.elapsed() < WAIT_IN_PLACE
+            {
+                tokio::time::sleep(delay.unwrap_or(Duration::from_millis(100))).await;
+                continue;
+            }
+            self.count(&settled, &outcome);
+            return match settled {
+                Settled::Done => false,
+                Settled::Wait { .. } | Settled::Retry { .. } => true,
+            };
         }
     }
 

@@ -1,12 +1,12 @@
-//! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only|flag-record]
+//! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only|flag-record|batched]
 //! [CONNECTION_NAME] [--drain-ms MS]` (started by the AMQP tests and `make chaos`, which kill
 //! it with SIGKILL mid-run).
 //!
 //! One consumer process of the stock-deduction route: two runners on the queue, each on
 //! its own connection (named CONNECTION_NAME, so a test can drop exactly these), through the
 //! full stack (Redis flag, Redis lock, PostgreSQL record in transactional mode; the
-//! default), the Redis flag alone, or the Redis flag with the record behind it and the
-//! record (no lock), until it is killed or the process that started it exits — or, with
+//! default), the Redis flag alone, the Redis flag with the record behind it and the
+//! record (no lock), or the full stack with the record batched, until it is killed or the process that started it exits — or, with
 //! `--drain-ms`, until both runners are drained, when it prints their reports and exits.
 //! Redis and PostgreSQL come from `REDIS_URL` and `DATABASE_URL`.
 //!
@@ -19,12 +19,13 @@ use std::time::Duration;
 
 use clap::Parser;
 use integration_tests::amqp::{
-    amqp_addr, flag_only_orders_route, flag_record_orders_route, orders_route, test_topology,
+    amqp_addr, batched_orders_route, flag_only_orders_route, flag_record_orders_route, orders_route,
+    test_topology,
 };
 use integration_tests::chaos_stack::{
     ChaosStack, HandlerFaults, chaos_flag_only_route, chaos_flag_record_route, chaos_orders_route,
 };
-use integration_tests::postgres::schema_pool;
+use integration_tests::postgres::{RecordMode, schema_pool};
 use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
 use lapin::{Connection, ConnectionProperties};
 use oncely::postgres::Table;
@@ -41,7 +42,7 @@ struct Args {
     schema: String,
     /// The Redis key prefix.
     prefix: String,
-    /// The stack: full, flag-only or flag-record.
+    /// The stack: full, flag-only, flag-record or batched.
     #[arg(default_value = "full")]
     stack: ChaosStack,
     /// The name of the AMQP connections.
@@ -101,7 +102,15 @@ async fn main() {
     match (args.stack, HandlerFaults::from_env(schema)) {
         (ChaosStack::Full, None) => consume(orders_route(pool, records(), redis, prefix), &args).await,
         (ChaosStack::Full, Some(faults)) => {
-            consume(chaos_orders_route(pool, records(), redis, prefix, faults), &args).await;
+            let route = chaos_orders_route(pool, records(), redis, prefix, faults, RecordMode::PerDelivery);
+            consume(route, &args).await;
+        }
+        (ChaosStack::Batched, None) => {
+            consume(batched_orders_route(pool, records(), redis, prefix), &args).await;
+        }
+        (ChaosStack::Batched, Some(faults)) => {
+            let route = chaos_orders_route(pool, records(), redis, prefix, faults, RecordMode::Batched);
+            consume(route, &args).await;
         }
         (ChaosStack::FlagOnly, None) => consume(flag_only_orders_route(pool, redis, prefix), &args).await,
         (ChaosStack::FlagOnly, Some(faults)) => {

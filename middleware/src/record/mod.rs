@@ -42,8 +42,8 @@ pub use layer::RecordLayer;
 pub use memory::MemoryRecordStore;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    EffectCheck, PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalTicket, ReconcileReport,
-    Reconciler,
+    BatchAnswer, BatchHandler, EffectCheck, PgBatchHandlerService, PgBatchedLayer, PgBatchedService,
+    PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalTicket, ReconcileReport, Reconciler,
 };
 pub use safe::{AssertTransactionSafe, TransactionSafe};
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

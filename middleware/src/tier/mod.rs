@@ -24,9 +24,9 @@ use std::fmt;
 
 pub use decision::{Enter, FailurePolicy, TierDecision};
 pub(crate) use decision::{in_flight, payload_mismatch};
-#[cfg(feature = "postgres")]
-pub(crate) use service::store_unavailable;
 pub use service::{BoxFuture, TierService};
+#[cfg(feature = "postgres")]
+pub(crate) use service::{behind, decide, store_unavailable};
 
 /// A tier of the stack, named in outcomes, errors, metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

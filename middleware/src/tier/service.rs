@@ -87,7 +87,7 @@ where
 }
 
 /// One envelope through `decision` and the tiers behind.
-async fn decide<S, D>(decision: &D, inner: S, mut envelope: Envelope, probe: &Probe) -> Outcome
+pub(crate) async fn decide<S, D>(decision: &D, inner: S, mut envelope: Envelope, probe: &Probe) -> Outcome
 where
     S: Service<Envelope, Response = Outcome>,
     S::Error: Into<BoxError>,
@@ -117,7 +117,7 @@ where
 }
 
 /// The outcome of the tiers behind, with their error made an outcome, as the route would.
-async fn behind<S>(mut inner: S, envelope: Envelope) -> Outcome
+pub(crate) async fn behind<S>(mut inner: S, envelope: Envelope) -> Outcome
 where
     S: Service<Envelope, Response = Outcome>,
     S::Error: Into<BoxError>,

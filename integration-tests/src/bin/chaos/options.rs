@@ -38,7 +38,7 @@ struct Args {
     /// Percent of handler calls that get each handler fault, from 0 to 33 [default: 0.5].
     #[arg(long, value_parser = percent)]
     handler_faults: Option<f64>,
-    /// The consumers' stack: full, flag-record or flag-only (amqp only) [default: full].
+    /// The consumers' stack: full, batched, flag-record or flag-only (amqp only) [default: full].
     #[arg(long)]
     stack: Option<ChaosStack>,
     /// Messages published per second [default: 2000 (amqp), 100 (rocketmq)].

@@ -212,6 +212,9 @@ impl Report {
             (BrokerKind::Amqp, ChaosStack::FlagRecord) => format!(
                 "RabbitMQ, flag and record: tower timeout ({timeout} s), Redis flag (record behind), PostgreSQL record (transactional)"
             ),
+            (BrokerKind::Amqp, ChaosStack::Batched) => format!(
+                "RabbitMQ, full stack, batched: tower timeout ({timeout} s), Redis flag, Redis lock, PostgreSQL record (transactional, batched)"
+            ),
             (BrokerKind::RocketMq, _) => format!(
                 "RocketMQ, rocketmq-points stack: delivery limit {ROUTE_DELIVERY_LIMIT} (Redis), tower timeout ({timeout} s), Redis flag (record behind), PostgreSQL record (transactional)"
             ),

@@ -14,6 +14,7 @@
 //! The table comes from [`migrate`](crate::postgres::migrate); its name is configurable and
 //! validated, and every value is a bound parameter.
 
+mod batched;
 mod coalesce;
 mod reconciler;
 mod transactional;
@@ -24,6 +25,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
+pub use self::batched::{BatchAnswer, BatchHandler, PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
 use self::coalesce::Coalescer;
 pub use self::reconciler::{EffectCheck, ReconcileReport, Reconciler};
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};

@@ -8,7 +8,7 @@ use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
 
-use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch, to_i64};
+use crate::backend::postgres::record::{ClaimRequest, Claimed, Statements, claim_batch, to_i64};
 use crate::backend::postgres::{Checkout, Table};
 use crate::envelope::Envelope;
 use crate::error::StoreError;
@@ -19,6 +19,20 @@ use crate::record::decision::fencing_token;
 use crate::record::store::{Begin, RecordStatus};
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
+/// Makes the session read-only outside the tier's transaction until the connection is
+/// ended ([`ROLLBACK`], [`commit_checked`]): a handler that ends the transaction itself
+/// (`ROLLBACK`) and writes on cannot commit a write without the key's record — with a batch
+/// in the transaction, its neighbours' writes neither. A query of its own: a `SET` in the
+/// same query as the `BEGIN` would join the transaction and be undone with it.
+const READ_ONLY_OUTSIDE: &str = "SET default_transaction_read_only = on";
+
+/// Opens the tier's transaction.
+const BEGIN: &str = "BEGIN READ WRITE";
+
+/// Rolls the tier's transaction back and gives the session its default back. After an
+/// aborted or already ended transaction the `ROLLBACK` only warns, so the `RESET` runs.
+pub(super) const ROLLBACK: &str = "ROLLBACK; RESET default_transaction_read_only";
+
 /// Ends the transaction `xid` (the claim's `txid_current()`: 64 bits with the epoch, so it
 /// never wraps), but only if it is still open, not aborted, and still the one that claimed
 /// the key: `SAVEPOINT` fails outside a transaction block and in an aborted one,
@@ -27,7 +41,39 @@ use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 /// is skipped after a failure. A plain `COMMIT` of an aborted transaction answers with the
 /// tag `ROLLBACK` and no error, which the client does not show.
 fn commit_checked(xid: i64) -> String {
-    format!("SAVEPOINT oncely_commit_check; SELECT 1 / (txid_current() = {xid})::int; COMMIT")
+    format!(
+        "SAVEPOINT oncely_commit_check; SELECT 1 / (txid_current() = {xid})::int; COMMIT; \
+         RESET default_transaction_read_only"
+    )
+}
+
+/// Takes a pooled connection, opens the tier's transaction on it and claims `requests`
+/// (distinct keys) in it as `SUCCESS`, in one round trip: the `BEGIN` and the claim are
+/// pipelined. A failure leaves nothing open: the connection is rolled back, or closed.
+pub(super) async fn open(
+    pool: &Pool,
+    statements: &Statements,
+    requests: &[ClaimRequest],
+) -> Result<(Arc<Checkout>, Claimed), StoreError> {
+    let transaction = Arc::new(Checkout::get(pool).await?);
+    let client = transaction.client();
+    // The three are sent at once, in this order. Had the `BEGIN` failed (it cannot, short of
+    // a lost connection, which fails the claim too), the claim would run on its own, in a
+    // read-only session.
+    let (read_only, begun, claimed) = tokio::join!(
+        client.batch_execute(READ_ONLY_OUTSIDE),
+        client.batch_execute(BEGIN),
+        claim_batch(client, statements, requests, RecordStatus::Success)
+    );
+    match (read_only.and(begun), claimed) {
+        (Ok(()), Ok(claimed)) => Ok((transaction, claimed)),
+        (Ok(()), Err(error)) => {
+            end(transaction, ROLLBACK).await;
+            Err(error)
+        }
+        // Dropped unmarked, the connection is closed.
+        (Err(error), _) => Err(StoreError::new(error)),
+    }
 }
 
 /// The open transaction of the delivery being handled: the argument a typed handler built by
@@ -38,9 +84,11 @@ fn commit_checked(xid: i64) -> String {
 /// such as [`StatusColumns`](crate::postgres::StatusColumns) with `&*tx` — run inside the
 /// transaction that also holds the key's record, and commit only if the stack answers
 /// processed. Do not `COMMIT`
-/// or `ROLLBACK` it yourself: the tier notices (below), but a write after your own `COMMIT`
-/// or `ROLLBACK` runs outside any transaction and commits at once, which nothing can take
-/// back. Do not keep it after the handler returns (a clone kept past the answer commits
+/// or `ROLLBACK` it yourself: the tier notices and retries the delivery, and the session is
+/// read-only outside the tier's transaction (`default_transaction_read_only`), so a write
+/// after your own `COMMIT` or `ROLLBACK` fails instead of committing on its own; only what
+/// your own `COMMIT` committed stays, together with the key's record. Do not keep it after
+/// the handler returns (a clone kept past the answer commits
 /// nothing). A statement that fails aborts the whole transaction:
 /// returning `Ok` after ignoring such an error does not make the delivery processed — the
 /// tier sees the aborted transaction at commit and answers
@@ -65,7 +113,7 @@ fn commit_checked(xid: i64) -> String {
 /// An untyped handler ([`handler_fn`](crate::handler_fn)) behind the layer finds it in the
 /// envelope's [extensions](crate::Envelope::extensions).
 #[derive(Clone)]
-pub struct PgTransaction(Arc<Checkout>);
+pub struct PgTransaction(pub(super) Arc<Checkout>);
 
 impl PgTransaction {
     /// The connection, inside the open transaction.
@@ -194,10 +242,10 @@ impl fmt::Debug for PgTransaction {
 /// ```
 #[derive(Clone)]
 pub struct PgTransactionalLayer {
-    pool: Pool,
+    pub(super) pool: Pool,
     table: Table,
-    statements: Arc<Statements>,
-    in_flight_delay: Duration,
+    pub(super) statements: Arc<Statements>,
+    pub(super) in_flight_delay: Duration,
 }
 
 impl PgTransactionalLayer {
@@ -275,29 +323,11 @@ impl TierDecision for PgTransactionalLayer {
     /// Opens the transaction and claims the key in it; the transaction goes to the tiers
     /// behind as a [`PgTransaction`].
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<PgTransactionalTicket>, StoreError> {
-        let request = ClaimRequest {
-            key: envelope.key().clone(),
-            fingerprint: envelope.fingerprint(),
-            fencing_token: fencing_token(envelope),
-            lease: None,
-        };
-        let transaction = Arc::new(Checkout::get(&self.pool).await?);
-        transaction.client().batch_execute("BEGIN").await?;
-        let claim = claim_batch(
-            transaction.client(),
-            &self.statements,
-            std::slice::from_ref(&request),
-            RecordStatus::Success,
-        )
-        .await;
-        let (begin, xid) = match claim {
-            Ok(claimed) => (claimed.answers.into_iter().next(), claimed.transaction_id),
-            Err(error) => {
-                end(transaction, "ROLLBACK").await;
-                return Err(error);
-            }
-        };
-        let begin = begin.unwrap_or(Begin::InProgress);
+        let request = claim_request(envelope);
+        let (transaction, claimed) =
+            open(&self.pool, &self.statements, std::slice::from_ref(&request)).await?;
+        let xid = claimed.transaction_id;
+        let begin = claimed.answers.into_iter().next().unwrap_or(Begin::InProgress);
         match (
             begin.into_attempt(&request.key, request.fingerprint, self.in_flight_delay),
             xid,
@@ -312,13 +342,13 @@ impl TierDecision for PgTransactionalLayer {
                 }))
             }
             (Ok(_), None) => {
-                end(transaction, "ROLLBACK").await;
+                end(transaction, ROLLBACK).await;
                 Err(StoreError::malformed(
                     "a claim without the claiming transaction's id",
                 ))
             }
             (Err(stop), _) => {
-                end(transaction, "ROLLBACK").await;
+                end(transaction, ROLLBACK).await;
                 Ok(Enter::Stop(stop))
             }
         }
@@ -338,7 +368,7 @@ impl TierDecision for PgTransactionalLayer {
                 Err(failed) => failed,
             }
         } else {
-            end(transaction, "ROLLBACK").await;
+            end(transaction, ROLLBACK).await;
             outcome
         };
         self.note_failure(&request, &failure.to_string()).await;
@@ -349,7 +379,7 @@ impl TierDecision for PgTransactionalLayer {
 impl PgTransactionalLayer {
     /// Records a failed attempt after the rollback, outside the transaction: best effort,
     /// for operators; the outcome does not depend on it.
-    async fn note_failure(&self, request: &ClaimRequest, error: &str) {
+    pub(super) async fn note_failure(&self, request: &ClaimRequest, error: &str) {
         let fence = request.fencing_token.map(to_i64);
         let fingerprint = request.fingerprint.to_string();
         let noted = Checkout::run(&self.pool, async |client| {
@@ -367,14 +397,24 @@ impl PgTransactionalLayer {
     }
 }
 
+/// What the tier claims for `envelope`: its key as `SUCCESS`, with no lease.
+pub(super) fn claim_request(envelope: &Envelope) -> ClaimRequest {
+    ClaimRequest {
+        key: envelope.key().clone(),
+        fingerprint: envelope.fingerprint(),
+        fencing_token: fencing_token(envelope),
+        lease: None,
+    }
+}
+
 /// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
 /// connection lost, when nobody knows; the redelivery then finds out from the record).
-async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
+pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
     // The envelope, and every handle to the transaction in it, is gone once the stack has
     // answered; a handle still alive (kept in a spawned task, say) could write after the
     // commit, outside the record.
     if Arc::strong_count(&transaction) > 1 {
-        end(transaction, "ROLLBACK").await;
+        end(transaction, ROLLBACK).await;
         return Err(Outcome::retry_later(
             RetryReason::HandlerFailed,
             "nothing was committed: the handler kept its PgTransaction after answering",
@@ -398,7 +438,7 @@ async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
         SqlState::DIVISION_BY_ZERO,
     ];
     if ended_by_the_handler.contains(code) {
-        end(transaction, "ROLLBACK").await;
+        end(transaction, ROLLBACK).await;
         return Err(Outcome::retry_later(
             RetryReason::HandlerFailed,
             format!(
@@ -412,7 +452,7 @@ async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
     // before it failed (a statement timeout, a cancel) and the transaction is still open,
     // aborted: the ROLLBACK ends it (after a refused COMMIT it only warns), and the
     // connection goes back to the pool only if that worked.
-    end(transaction, "ROLLBACK").await;
+    end(transaction, ROLLBACK).await;
     let reason = match code.code().get(..2) {
         // Serialization failure, deadlock: another transaction won; trying again may pass.
         Some("40") => RetryReason::Conflict(Tier::Record),
@@ -429,7 +469,7 @@ async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
 
 /// Ends the transaction with `statement`; the connection goes back to the pool only if that
 /// worked.
-async fn end(transaction: Arc<Checkout>, statement: &str) {
+pub(super) async fn end(transaction: Arc<Checkout>, statement: &str) {
     match transaction.client().batch_execute(statement).await {
         Ok(()) => transaction.mark_clean(),
         Err(error) => {

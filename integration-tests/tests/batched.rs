@@ -1,0 +1,355 @@
+//! The batched transactional record against a real PostgreSQL: deliveries in flight together
+//! share transactions, and one delivery's failure, conflict, copy or lost connection never
+//! costs its neighbours their effect nor applies one twice. Each test asserts the business
+//! rows, the record rows and the outcome the adapter would act on.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use integration_tests::postgres::{
+    BoxedStack, CommitAnswerThief, RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool,
+};
+use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer};
+use oncely::{
+    DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Source,
+    Tier, handler_fn,
+};
+use tower::ServiceBuilder;
+use tower::timeout::TimeoutLayer;
+
+fn order(id: &str) -> Delivery {
+    Delivery::new(
+        Source::new("orders"),
+        format!(r#"{{"orderId":"{id}","sku":"sku-1"}}"#),
+    )
+}
+
+fn orders(count: usize) -> Vec<Delivery> {
+    (0..count).map(|i| order(&format!("o-{i}"))).collect()
+}
+
+/// The test's schema with a `stock_moves` table (one row per order at most), and a pool of
+/// `size` connections that search it first.
+async fn stock_schema(size: usize) -> (ScratchSchema, Pool) {
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE)")
+        .await;
+    let pool = schema_pool(schema.name(), size);
+    (schema, pool)
+}
+
+fn route(stack: BoxedStack) -> Route<BoxedStack> {
+    Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
+}
+
+/// Handles every delivery at once, each on its own task; the outcomes in the same order.
+async fn handle_all<S, E>(route: &Route<S>, deliveries: Vec<Delivery>) -> Vec<Outcome>
+where
+    S: integration_tests::RouteStack<E> + 'static,
+    E: Into<oncely::BoxError> + 'static,
+{
+    let tasks: Vec<_> = deliveries
+        .into_iter()
+        .map(|delivery| {
+            let route = route.clone();
+            tokio::spawn(async move { route.handle(delivery).await })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.expect("a delivery's task"));
+    }
+    outcomes
+}
+
+/// Stock moves per order.
+async fn moves(schema: &ScratchSchema) -> HashMap<String, i64> {
+    let client = schema_pool(schema.name(), 1).get().await.expect("PostgreSQL");
+    client
+        .query(
+            "SELECT order_id, count(*) FROM stock_moves GROUP BY order_id",
+            &[],
+        )
+        .await
+        .expect("read the moves")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// How many transactions committed the `SUCCESS` records.
+async fn committing_transactions(schema: &ScratchSchema) -> i64 {
+    schema
+        .count("SELECT count(DISTINCT xmin::text) FROM consumption_record WHERE status = 'SUCCESS'")
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_in_flight_together_share_commits_and_each_applies_once() {
+    let (schema, pool) = stock_schema(8).await;
+    let batched = route(RecordMode::Batched.stack(
+        &pool,
+        schema.records(),
+        handler_fn(|envelope: Envelope| async move { insert_stock_move(&envelope).await }),
+    ));
+    let outcomes = handle_all(&batched, orders(64)).await;
+    assert!(outcomes.iter().all(|o| *o == Outcome::Processed), "{outcomes:?}");
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 64);
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+    let transactions = committing_transactions(&schema).await;
+    assert!(
+        transactions <= 16,
+        "64 deliveries in flight together took {transactions} commits"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_handler_mid_batch_costs_its_neighbours_nothing() {
+    let (schema, pool) = stock_schema(8).await;
+    // Each fault on its own order; every other order is written and committed once.
+    let handler = handler_fn(|envelope: Envelope| async move {
+        insert_stock_move(&envelope).await?;
+        match envelope.key().as_str() {
+            "o-5" => panic!("bug in the handler"),
+            "o-10" => Err(HandlerError::transient("payment service timed out")),
+            "o-20" => Err(HandlerError::permanent("no such wallet")),
+            "o-25" => {
+                // A failed statement the handler ignores: the transaction is aborted.
+                let tx = envelope.extensions().get::<PgTransaction>().unwrap().clone();
+                let _ignored = tx.batch_execute("SELECT 1/0").await;
+                Ok(())
+            }
+            "o-30" => {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(TimeoutLayer::new(Duration::from_millis(500)))
+        .service(handler);
+    let batched = route(RecordMode::Batched.stack(&pool, schema.records(), stack));
+    let outcomes = handle_all(&batched, orders(40)).await;
+
+    let reasons: HashMap<usize, Outcome> = outcomes
+        .into_iter()
+        .enumerate()
+        .filter(|(_, outcome)| *outcome != Outcome::Processed)
+        .collect();
+    let reason = |i: usize| reasons.get(&i).and_then(Outcome::retry_reason);
+    assert_eq!(reason(5), Some(RetryReason::HandlerPanicked), "{reasons:?}");
+    assert_eq!(reason(10), Some(RetryReason::HandlerFailed), "{reasons:?}");
+    assert_eq!(reason(25), Some(RetryReason::HandlerFailed), "{reasons:?}");
+    assert_eq!(reason(30), Some(RetryReason::HandlerFailed), "{reasons:?}");
+    assert_eq!(
+        reasons.get(&20).and_then(Outcome::dead_letter_reason),
+        Some(DeadLetterReason::Rejected),
+        "{reasons:?}"
+    );
+    assert_eq!(reasons.len(), 5, "only the faulty orders fail: {reasons:?}");
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 35, "{moves:?}");
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+    for faulty in [5, 10, 20, 25, 30] {
+        assert!(
+            !moves.contains_key(&format!("o-{faulty}")),
+            "o-{faulty} committed"
+        );
+    }
+    assert_eq!(
+        schema
+            .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
+            .await,
+        35
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_one_key_in_one_batch_and_across_batches_apply_once() {
+    let (schema, pool) = stock_schema(8).await;
+    let batched = route(RecordMode::Batched.stack(
+        &pool,
+        schema.records(),
+        handler_fn(|envelope: Envelope| async move { insert_stock_move(&envelope).await }),
+    ));
+    // Eight copies of each of eight orders, interleaved, all in flight at once.
+    let deliveries = (0..64).map(|i| order(&format!("o-{}", i % 8))).collect();
+    let outcomes = handle_all(&batched, deliveries).await;
+    for key in 0..8 {
+        let of_key: Vec<&Outcome> = outcomes.iter().skip(key).step_by(8).collect();
+        assert_eq!(
+            of_key.iter().filter(|o| ***o == Outcome::Processed).count(),
+            1,
+            "o-{key}: {of_key:?}"
+        );
+        assert!(
+            of_key
+                .iter()
+                .all(|o| **o == Outcome::Processed || **o == Outcome::Duplicate { tier: Tier::Record }),
+            "o-{key}: {of_key:?}"
+        );
+    }
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 8);
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_payload_for_a_key_in_the_same_batch_is_dead_lettered() {
+    let (schema, pool) = stock_schema(8).await;
+    let batched = route(RecordMode::Batched.stack(
+        &pool,
+        schema.records(),
+        handler_fn(|envelope: Envelope| async move { insert_stock_move(&envelope).await }),
+    ));
+    let mut deliveries = orders(16);
+    deliveries.push(Delivery::new(
+        Source::new("orders"),
+        r#"{"orderId":"o-3","sku":"sku-2"}"#,
+    ));
+    let outcomes = handle_all(&batched, deliveries).await;
+    let of_key = [&outcomes[3], &outcomes[16]];
+    assert_eq!(
+        of_key.iter().filter(|o| ***o == Outcome::Processed).count(),
+        1,
+        "{of_key:?}"
+    );
+    assert_eq!(
+        of_key
+            .iter()
+            .filter_map(|o| o.dead_letter_reason())
+            .collect::<Vec<_>>(),
+        [DeadLetterReason::PayloadMismatch],
+        "{of_key:?}"
+    );
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 16);
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_killed_mid_batch_applies_nothing_twice_and_loses_no_neighbour() {
+    let (schema, pool) = stock_schema(8).await;
+    let killer = pool.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        let killer = killer.clone();
+        async move {
+            insert_stock_move(&envelope).await?;
+            if envelope.key().as_str() == "o-8" && envelope.delivery().attempt() == 1 {
+                let tx = envelope.extensions().get::<PgTransaction>().unwrap().clone();
+                let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await?.get(0);
+                let other = killer.get().await.map_err(HandlerError::transient)?;
+                other.execute("SELECT pg_terminate_backend($1)", &[&pid]).await?;
+                tx.execute("SELECT 1", &[]).await?;
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let batched = route(RecordMode::Batched.stack(&pool, schema.records(), handler));
+    let outcomes = handle_all(&batched, orders(16)).await;
+    assert!(matches!(outcomes[8], Outcome::RetryLater(_)), "{:?}", outcomes[8]);
+    for (i, outcome) in outcomes.iter().enumerate().filter(|(i, _)| *i != 8) {
+        assert_eq!(*outcome, Outcome::Processed, "o-{i}");
+    }
+    assert!(!moves(&schema).await.contains_key("o-8"));
+    assert_eq!(
+        batched.handle(order("o-8").with_attempt(2)).await,
+        Outcome::Processed
+    );
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 16);
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_answer_is_lost_is_never_applied_twice() {
+    for mode in RecordMode::ALL {
+        let (schema, _) = stock_schema(1).await;
+        let thief = CommitAnswerThief::start().await;
+        let pool = thief.schema_pool(schema.name(), 8);
+        let route = route(mode.stack(
+            &pool,
+            schema.records(),
+            handler_fn(|envelope: Envelope| async move { insert_stock_move(&envelope).await }),
+        ));
+        thief.arm();
+        let outcomes = handle_all(&route, orders(16)).await;
+        assert_eq!(thief.stolen(), 1, "{mode:?}");
+        // The broker redelivers what was not acked.
+        for (i, outcome) in outcomes.iter().enumerate() {
+            let outcome = if outcome.is_settled() {
+                outcome.clone()
+            } else {
+                route.handle(order(&format!("o-{i}")).with_attempt(2)).await
+            };
+            assert!(outcome.is_settled(), "{mode:?} o-{i}: {outcome}");
+        }
+        assert!(
+            outcomes
+                .iter()
+                .any(|o| *o == Outcome::Duplicate { tier: Tier::Record } || !o.is_settled()),
+            "{mode:?}: the delivery whose commit answer was lost was not told apart: {outcomes:?}"
+        );
+        let moves = moves(&schema).await;
+        assert_eq!(moves.len(), 16, "{mode:?}");
+        assert!(moves.values().all(|count| *count == 1), "{mode:?}: {moves:?}");
+    }
+}
+
+/// The set handler of the tests: one `INSERT … SELECT FROM unnest` for the whole batch; a
+/// body without a `sku` fails the batch (as a `?` on a parse error would).
+async fn insert_stock_moves(tx: PgTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {
+    let mut orders = Vec::with_capacity(batch.len());
+    for envelope in &batch {
+        if envelope.delivery().json()?.pointer("/sku").is_none() {
+            return Err(HandlerError::permanent("an order without a sku"));
+        }
+        orders.push(envelope.key().as_str().to_owned());
+    }
+    tx.execute(
+        "INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])",
+        &[&orders],
+    )
+    .await?;
+    Ok(BatchAnswer::processed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handler_writes_a_batch_at_once_and_a_bad_envelope_fails_alone() {
+    let (schema, pool) = stock_schema(8).await;
+    let records = PgTransactionalLayer::new(pool.clone(), schema.records()).batched();
+    let route = Route::new(
+        "deduct_stock",
+        KeyExtractor::json_pointer("/orderId"),
+        records.batch_handler(insert_stock_moves),
+    );
+    // A flight of good orders, with a copy of one of them: one statement per batch.
+    let mut deliveries = orders(48);
+    deliveries.push(order("o-3"));
+    let outcomes = handle_all(&route, deliveries).await;
+    assert!(outcomes.iter().all(Outcome::is_settled), "{outcomes:?}");
+    assert_eq!(moves(&schema).await.len(), 48);
+    let transactions = committing_transactions(&schema).await;
+    assert!(transactions <= 16, "48 orders took {transactions} commits");
+
+    // A flight with one bad order: it alone fails; the others are written once.
+    let mut deliveries: Vec<Delivery> = (100..116).map(|i| order(&format!("o-{i}"))).collect();
+    deliveries[7] = Delivery::new(Source::new("orders"), r#"{"orderId":"o-107"}"#);
+    let outcomes = handle_all(&route, deliveries).await;
+    assert_eq!(
+        outcomes[7].dead_letter_reason(),
+        Some(DeadLetterReason::Rejected),
+        "{:?}",
+        outcomes[7]
+    );
+    for (i, outcome) in outcomes.iter().enumerate().filter(|(i, _)| *i != 7) {
+        assert_eq!(*outcome, Outcome::Processed, "o-{}", 100 + i);
+    }
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 48 + 15, "{moves:?}");
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+}

@@ -1,0 +1,371 @@
+//! The lanes of the batched mode: each runs one transaction at a time and fills it with the
+//! deliveries that wait while it is open.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use super::super::transactional::{PgTransactionalLayer, ROLLBACK, claim_request, commit, end, open};
+use crate::backend::postgres::Checkout;
+use crate::backend::postgres::record::{ClaimRequest, claim_batch};
+use crate::envelope::{BusinessKey, Envelope};
+use crate::outcome::{Outcome, RetryReason};
+use crate::record::store::{Begin, RecordStatus};
+use crate::tier::{Tier, store_unavailable};
+
+/// How big and how long a batch may grow, and how many run at once.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Limits {
+    pub(super) max_batch: usize,
+    pub(super) max_linger: Duration,
+    pub(super) lanes: usize,
+}
+
+/// One delivery waiting to join a batch.
+pub(super) struct Joiner<T> {
+    pub(super) request: ClaimRequest,
+    pub(super) envelope: Envelope,
+    pub(super) reply: oneshot::Sender<Word<T>>,
+}
+
+/// What a lane tells a delivery.
+pub(super) enum Word<T> {
+    /// The delivery's answer: the batch committed (or it never joined one).
+    Answer(Outcome),
+    /// Run again alone, in a transaction of its own: its batch was rolled back through no
+    /// fault of its handler.
+    Alone,
+    /// Its handler's turn in the batch's transaction (per-delivery handlers only).
+    Turn(T),
+}
+
+/// How one claimed delivery's handler ended in a batch.
+pub(super) struct Ended<T> {
+    pub(super) request: ClaimRequest,
+    /// Where its last word goes.
+    pub(super) reply: oneshot::Sender<Word<T>>,
+    /// What its handler answered; `None`: it did not run, or not alone (a set handler that
+    /// failed as a whole), so its effect was not tried on its own.
+    pub(super) outcome: Option<Outcome>,
+}
+
+impl<T> Ended<T> {
+    pub(super) fn of(joiner: Joiner<T>, outcome: Option<Outcome>) -> Self {
+        Ended {
+            request: joiner.request,
+            reply: joiner.reply,
+            outcome,
+        }
+    }
+
+    /// Whether this delivery's part of the batch can commit.
+    fn succeeded(&self) -> bool {
+        self.outcome.as_ref().is_some_and(Outcome::is_settled)
+    }
+}
+
+/// What a batch's handlers did.
+pub(super) struct Written<T> {
+    pub(super) ended: Vec<Ended<T>>,
+    /// A handler may have left a statement running on the connection (its future was
+    /// dropped or panicked mid-statement): the connection is closed rather than rolled back,
+    /// which also cancels the statement.
+    pub(super) tainted: bool,
+}
+
+/// How a batch's effects are written: the per-delivery handlers one after another, each on
+/// its own delivery's task, or a set handler once for all.
+pub(super) trait Writer: Send + Sync + 'static {
+    /// What a delivery is handed when its handler may run (nothing, for a set handler).
+    type Turn: Send + 'static;
+
+    /// Runs the handlers of `group`, whose keys the batch's transaction has just claimed.
+    fn write(
+        &self,
+        transaction: &Arc<Checkout>,
+        group: Vec<Joiner<Self::Turn>>,
+    ) -> impl Future<Output = Written<Self::Turn>> + Send;
+}
+
+/// The lanes of one layer, shared by its services' clones. They start on the Tokio runtime
+/// of the first delivery and stop once every clone is dropped and they are idle.
+pub(super) struct Lanes<W: Writer> {
+    record: PgTransactionalLayer,
+    writer: W,
+    limits: Limits,
+    queue: OnceLock<mpsc::Sender<Joiner<W::Turn>>>,
+}
+
+impl<W: Writer + Clone> Lanes<W> {
+    pub(super) fn new(record: PgTransactionalLayer, writer: W, limits: Limits) -> Self {
+        Lanes {
+            record,
+            writer,
+            limits,
+            queue: OnceLock::new(),
+        }
+    }
+
+    /// The per-delivery transactional tier the batches are made of: how a delivery runs alone.
+    pub(super) fn record(&self) -> &PgTransactionalLayer {
+        &self.record
+    }
+
+    /// How the batches write their effects.
+    pub(super) fn writer(&self) -> &W {
+        &self.writer
+    }
+
+    fn queue(&self) -> &mpsc::Sender<Joiner<W::Turn>> {
+        self.queue.get_or_init(|| {
+            // Room for a batch per lane: beyond that, deliveries wait to join, which bounds
+            // memory under overload.
+            let (queue, receiver) = mpsc::channel(self.limits.max_batch * self.limits.lanes);
+            let lane = Arc::new(Lane {
+                record: self.record.clone(),
+                writer: self.writer.clone(),
+                limits: self.limits,
+                receiver: Mutex::new(receiver),
+            });
+            for _ in 0..self.limits.lanes {
+                tokio::spawn(lane.clone().run());
+            }
+            queue
+        })
+    }
+
+    /// Puts `envelope` into the next batch; answers the lane's first word for it.
+    pub(super) async fn join(&self, envelope: &Envelope) -> Word<W::Turn> {
+        let (reply, word) = oneshot::channel();
+        let joiner = Joiner {
+            request: claim_request(envelope),
+            envelope: envelope.clone(),
+            reply,
+        };
+        let stopped = || {
+            Word::Answer(Outcome::retry_later(
+                RetryReason::StoreUnavailable(Tier::Record),
+                "the batched record's lanes stopped (the runtime is shutting down)",
+                None,
+            ))
+        };
+        if self.queue().send(joiner).await.is_err() {
+            return stopped();
+        }
+        word.await.unwrap_or_else(|_| stopped())
+    }
+}
+
+/// What every lane of one layer shares.
+struct Lane<W: Writer> {
+    record: PgTransactionalLayer,
+    writer: W,
+    limits: Limits,
+    /// Idle lanes wait here for the first delivery of their next batch; a busy lane only
+    /// takes what is already waiting.
+    receiver: Mutex<mpsc::Receiver<Joiner<W::Turn>>>,
+}
+
+/// How a batch's transaction ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    Commit,
+    Rollback,
+    /// Closing the connection: the server rolls back and cancels what still runs.
+    Close,
+}
+
+impl<W: Writer> Lane<W> {
+    async fn run(self: Arc<Self>) {
+        let mut later = Vec::new();
+        loop {
+            let intake = if later.is_empty() {
+                let mut receiver = self.receiver.lock().await;
+                let Some(first) = receiver.recv().await else {
+                    return;
+                };
+                let mut intake = vec![first];
+                take_waiting(&mut receiver, &mut intake, self.limits.max_batch);
+                intake
+            } else {
+                let mut intake = std::mem::take(&mut later);
+                if let Ok(mut receiver) = self.receiver.try_lock() {
+                    take_waiting(&mut receiver, &mut intake, self.limits.max_batch);
+                }
+                intake
+            };
+            later = self.batch(intake).await;
+        }
+    }
+
+    /// Runs one transaction: claims `intake`, runs the handlers, takes in the deliveries that
+    /// arrived meanwhile while the batch is within its limits, then commits — or rolls back
+    /// and sends the deliveries whose handlers did not fail to run alone. Returns the
+    /// deliveries whose key this batch already had, for the next one: a statement cannot
+    /// claim a key twice, and the copy must see what the first copy's commit left.
+    async fn batch(&self, intake: Vec<Joiner<W::Turn>>) -> Vec<Joiner<W::Turn>> {
+        let opened = Instant::now();
+        let mut keys = HashSet::new();
+        let (fresh, mut later) = distinct(intake, &mut keys);
+        let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
+        let (transaction, claimed) = match open(&self.record.pool, &self.record.statements, &requests).await {
+            Ok(opened) => opened,
+            Err(error) => {
+                answer_all(fresh, &store_unavailable(Tier::Record, &error));
+                return later;
+            }
+        };
+        let mut xid = claimed.transaction_id;
+        let mut group = self.admit(fresh, claimed.answers);
+        let mut ended = Vec::new();
+        let mut ending = Ending::Commit;
+        loop {
+            let written = self.writer.write(&transaction, group).await;
+            let failed = written.ended.iter().any(|ended| !ended.succeeded());
+            ended.extend(written.ended);
+            if written.tainted {
+                ending = Ending::Close;
+            } else if failed {
+                ending = Ending::Rollback;
+            }
+            if ending != Ending::Commit || opened.elapsed() >= self.limits.max_linger {
+                break;
+            }
+            let mut intake = Vec::new();
+            if let Ok(mut receiver) = self.receiver.try_lock() {
+                take_waiting(
+                    &mut receiver,
+                    &mut intake,
+                    self.limits.max_batch.saturating_sub(keys.len()),
+                );
+            }
+            let (fresh, copies) = distinct(intake, &mut keys);
+            later.extend(copies);
+            if fresh.is_empty() {
+                break;
+            }
+            let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
+            match claim_batch(
+                transaction.client(),
+                &self.record.statements,
+                &requests,
+                RecordStatus::Success,
+            )
+            .await
+            {
+                Ok(claimed) => {
+                    xid = xid.or(claimed.transaction_id);
+                    group = self.admit(fresh, claimed.answers);
+                }
+                Err(error) => {
+                    answer_all(fresh, &store_unavailable(Tier::Record, &error));
+                    ending = Ending::Rollback;
+                    break;
+                }
+            }
+        }
+        self.settle(transaction, xid, ended, ending).await;
+        later
+    }
+
+    /// Answers the deliveries the claim did not give the key to (duplicates, conflicts,
+    /// fenced, in flight elsewhere) at once: what decided it was committed by others. Returns
+    /// the claimed ones.
+    fn admit(&self, fresh: Vec<Joiner<W::Turn>>, answers: Vec<Begin>) -> Vec<Joiner<W::Turn>> {
+        let mut claimed = Vec::with_capacity(fresh.len());
+        for (joiner, begin) in fresh.into_iter().zip(answers) {
+            let request = &joiner.request;
+            match begin.into_attempt(&request.key, request.fingerprint, self.record.in_flight_delay) {
+                Ok(_) => claimed.push(joiner),
+                Err(stop) => {
+                    let _ = joiner.reply.send(Word::Answer(stop));
+                }
+            }
+        }
+        claimed
+    }
+
+    /// Ends the transaction and tells every delivery of the batch its last word.
+    async fn settle(
+        &self,
+        transaction: Arc<Checkout>,
+        xid: Option<i64>,
+        mut ended: Vec<Ended<W::Turn>>,
+        ending: Ending,
+    ) {
+        let committed = match (ending, xid) {
+            (Ending::Commit, _) if ended.is_empty() => {
+                end(transaction, ROLLBACK).await;
+                true
+            }
+            (Ending::Commit, Some(xid)) => match commit(transaction, xid).await {
+                Ok(()) => true,
+                // A batch of one failed to commit for its only delivery's sake (or nobody
+                // knows whether it committed): it answers as it would alone.
+                Err(failed) if ended.len() == 1 => {
+                    ended[0].outcome = Some(failed);
+                    false
+                }
+                Err(failed) => {
+                    tracing::warn!(deliveries = ended.len(), %failed, "a batch did not commit; its deliveries run again alone");
+                    false
+                }
+            },
+            (Ending::Commit | Ending::Rollback, _) => {
+                end(transaction, ROLLBACK).await;
+                false
+            }
+            (Ending::Close, _) => {
+                drop(transaction);
+                false
+            }
+        };
+        let mut failures = Vec::new();
+        for ended in ended {
+            match ended.outcome {
+                Some(outcome) if committed => {
+                    let _ = ended.reply.send(Word::Answer(outcome));
+                }
+                Some(outcome) if !outcome.is_settled() => {
+                    failures.push((ended.request, ended.reply, outcome))
+                }
+                _ => {
+                    let _ = ended.reply.send(Word::Alone);
+                }
+            }
+        }
+        for (request, reply, outcome) in failures {
+            self.record.note_failure(&request, &outcome.to_string()).await;
+            let _ = reply.send(Word::Answer(outcome));
+        }
+    }
+}
+
+/// Moves up to `room` waiting deliveries into `intake`, without waiting for more.
+fn take_waiting<T>(receiver: &mut mpsc::Receiver<Joiner<T>>, intake: &mut Vec<Joiner<T>>, room: usize) {
+    while intake.len() < room {
+        match receiver.try_recv() {
+            Ok(joiner) => intake.push(joiner),
+            Err(_) => break,
+        }
+    }
+}
+
+/// Splits `intake` into deliveries of keys new to the batch (`keys`), sorted by key so that
+/// concurrent batches lock their keys' rows in one order, and copies of keys it already has.
+fn distinct<T>(intake: Vec<Joiner<T>>, keys: &mut HashSet<BusinessKey>) -> (Vec<Joiner<T>>, Vec<Joiner<T>>) {
+    let (mut fresh, copies): (Vec<_>, Vec<_>) = intake
+        .into_iter()
+        .partition(|joiner| keys.insert(joiner.request.key.clone()));
+    fresh.sort_by(|a, b| a.request.key.cmp(&b.request.key));
+    (fresh, copies)
+}
+
+fn answer_all<T>(joiners: Vec<Joiner<T>>, outcome: &Outcome) {
+    for joiner in joiners {
+        let _ = joiner.reply.send(Word::Answer(outcome.clone()));
+    }
+}

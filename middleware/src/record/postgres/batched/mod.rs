@@ -1,0 +1,195 @@
+//! The batched transactional mode: many deliveries, one transaction, one commit.
+//!
+//! The per-delivery transactional record ([`PgTransactionalLayer`]) pays a transaction per
+//! message: `BEGIN` and the claim, the handler's statements, `COMMIT` and its flush to disk.
+//! [`PgBatchedLayer`] lets the deliveries in flight at the same moment share one:
+//!
+//! 1. A delivery joins a *lane* (a few run at once, each with its own connection). An idle
+//!    lane opens a transaction for it at once, together with every delivery already waiting
+//!    (group commit, as PostgreSQL does for WAL flushes: a lone delivery never waits for a
+//!    timer).
+//! 2. One multi-row claim decides the whole group: new or `FAILURE` keys are claimed;
+//!    duplicates, payload conflicts, fenced and in-flight keys are answered at once (what
+//!    decided them is committed). Two copies of one key never share a batch: the second
+//!    goes to the lane's next batch, where it finds what the first one's commit left.
+//! 3. The handlers of the claimed deliveries run inside the transaction. Deliveries that
+//!    arrive meanwhile join the open transaction (another claim) while the batch is below
+//!    its [maximum size](PgBatchedLayer::with_max_batch) and younger than its
+//!    [maximum linger](PgBatchedLayer::with_max_linger).
+//! 4. One checked `COMMIT` (as in the per-delivery mode: it proves the transaction that
+//!    claimed the keys is the one committing, not aborted and not replaced). Only then is any
+//!    claimed delivery answered, so the adapters ack after the commit.
+//!
+//! # Isolation: optimistic batches
+//! One delivery's failure never fails or rolls back its neighbours' effects. Batches are
+//! optimistic: no savepoint per delivery (which costs about 40 % of the gain of batching on
+//! PostgreSQL, and past 64 subtransactions per transaction much more). When a handler
+//! fails — returns an error, panics, is cut off by a timeout, swallows a failed statement,
+//! ends the transaction itself — or the commit fails, the whole batch is rolled back; the
+//! failing delivery answers its own failure (a retry or a dead letter, as in the
+//! per-delivery mode), and every other delivery of the batch runs again *alone*, in a
+//! transaction of its own, exactly as [`PgTransactionalLayer`] runs it. A commit whose
+//! answer is lost is run again alone too: a delivery whose batch did commit then finds its
+//! key `SUCCESS` and answers duplicate. Isolation is paid for only when something fails,
+//! with one extra transaction per neighbour, and the tier opens no subtransaction (the
+//! commit check's savepoint writes nothing, so it takes no subtransaction id).
+//!
+//! # Per-delivery handler or batch handler
+//! - [`PgBatchedLayer::handler`] (or the layer over any [`TransactionSafe`] service) keeps
+//!   the handler you have: it is called once per delivery, on that delivery's task, with
+//!   the shared transaction as its [`PgTransaction`]. The handlers of a batch run one after
+//!   another, so each sees the writes of the ones before it exactly as it would after their
+//!   commits, and read-modify-write handlers stay correct. What the batch saves is the
+//!   `BEGIN`, the claim and the `COMMIT` with its flush: the handlers' own statements still
+//!   take a round trip each.
+//! - [`PgBatchedLayer::batch_handler`] takes a [`BatchHandler`], called once per batch with
+//!   every claimed envelope, which writes all their effects in a few set-based statements
+//!   (`INSERT … SELECT … FROM unnest($1, $2)`, `UPDATE … FROM (VALUES …)`) and answers per
+//!   envelope. Use it when the effect can be written for many messages at once: it saves
+//!   the per-message round trips too. Its statements see the whole batch at once: two
+//!   envelopes touching one row must be folded together (a `GROUP BY` before an `UPDATE …
+//!   FROM`), as one `UPDATE` cannot change a row twice.
+//!
+//! # Limits
+//! - A batch holds the row locks of all its handlers' writes until its commit: deliveries
+//!   of other lanes that update the same rows (a hot product's stock) wait for the whole
+//!   batch, and two lanes that update hot rows in opposite orders deadlock until PostgreSQL
+//!   breaks the tie (after `deadlock_timeout`, 1 s by default) by failing one batch, whose
+//!   deliveries then run alone. Keep such rows out of per-message handlers (a set handler
+//!   that updates them in key order), or use one lane.
+//! - A handler that never returns holds its whole batch: put a `tower` timeout in front of
+//!   the stack, or inside, around the handler.
+//! - A handler that opens savepoints itself uses subtransactions: keep its savepoints times
+//!   the batch size below 64.
+//! - The lanes take their connections from the tier's pool, and a delivery that runs alone
+//!   takes another: size the pool for the lanes plus the deliveries in flight.
+
+mod lane;
+mod set;
+mod turns;
+
+use std::fmt;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use self::lane::{Lanes, Limits};
+pub use self::set::{BatchAnswer, BatchHandler, PgBatchHandlerService};
+pub use self::turns::PgBatchedService;
+use self::turns::Turns;
+use super::transactional::PgTransactionalLayer;
+use crate::handler::{Handler, InTransaction, TypedHandler, typed};
+use crate::record::TransactionSafe;
+#[cfg(doc)]
+use crate::record::postgres::PgTransaction;
+
+impl PgTransactionalLayer {
+    /// The batched mode of this tier (same pool, table and in-flight delay): see
+    /// [`PgBatchedLayer`]. Defaults: batches of at most 64 deliveries, taking in joiners
+    /// for at most 10 ms, 2 lanes.
+    pub fn batched(&self) -> PgBatchedLayer {
+        PgBatchedLayer {
+            record: self.clone(),
+            max_batch: 64,
+            max_linger: Duration::from_millis(10),
+            lanes: 2,
+        }
+    }
+}
+
+/// The transactional record tier, batched: deliveries in flight at the same time share one
+/// transaction and one commit; see the [module docs](self) for how, and for what stays
+/// isolated.
+///
+/// Every guarantee of [`PgTransactionalLayer`] holds per delivery: the record and the
+/// handler's writes commit together, a delivery is answered only after its batch's commit,
+/// and anything that fails or is cut off leaves nothing committed for it.
+///
+/// ```no_run
+/// use oncely::{BusinessKey, HandlerError};
+/// use oncely::record::{PgTransaction, PgTransactionalLayer};
+///
+/// async fn deduct_stock(tx: PgTransaction, order: BusinessKey) -> Result<(), HandlerError> {
+///     tx.execute("INSERT INTO stock_moves (order_id) VALUES ($1)", &[&order.as_str()]).await?;
+///     Ok(())
+/// }
+/// # fn stack(pool: oncely::postgres::deadpool_postgres::Pool, table: oncely::postgres::Table) {
+/// let records = PgTransactionalLayer::new(pool, table).batched();
+/// let service = records.handler(deduct_stock);
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PgBatchedLayer {
+    record: PgTransactionalLayer,
+    max_batch: usize,
+    max_linger: Duration,
+    lanes: usize,
+}
+
+impl PgBatchedLayer {
+    /// The most deliveries one transaction takes (at least 1).
+    pub fn with_max_batch(mut self, max_batch: usize) -> Self {
+        self.max_batch = max_batch.max(1);
+        self
+    }
+
+    /// How long after its `BEGIN` a batch still takes in deliveries that arrive while its
+    /// handlers run. It never waits for them: a batch whose handlers are done commits at
+    /// once. Longer lingers make bigger batches under a steady stream, and make the first
+    /// deliveries of a batch wait longer for their commit (and their ack).
+    pub fn with_max_linger(mut self, max_linger: Duration) -> Self {
+        self.max_linger = max_linger;
+        self
+    }
+
+    /// How many batches run at once, each on its own pooled connection (at least 1). Two
+    /// keep the database busy while a batch waits for its commit's flush.
+    pub fn with_lanes(mut self, lanes: usize) -> Self {
+        self.lanes = lanes.max(1);
+        self
+    }
+
+    /// The typed handler `f` behind this tier, as [`PgTransactionalLayer::handler`] builds
+    /// it: an `async fn` whose arguments come from the envelope, which may take the batch's
+    /// open transaction as a [`PgTransaction`].
+    pub fn handler<F, Args>(&self, f: F) -> PgBatchedService<TypedHandler<F, InTransaction, Args>>
+    where
+        F: Handler<InTransaction, Args>,
+    {
+        self.layer(typed(f))
+    }
+
+    /// The set handler `handler` behind this tier: called once per batch with every claimed
+    /// envelope; see [`BatchHandler`].
+    pub fn batch_handler<H: BatchHandler>(&self, handler: H) -> PgBatchHandlerService<H> {
+        PgBatchHandlerService::new(handler, self.record.clone(), self.limits())
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_batch: self.max_batch,
+            max_linger: self.max_linger,
+            lanes: self.lanes,
+        }
+    }
+}
+
+impl fmt::Debug for PgBatchedLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgBatchedLayer")
+            .field("record", &self.record)
+            .field("max_batch", &self.max_batch)
+            .field("max_linger", &self.max_linger)
+            .field("lanes", &self.lanes)
+            .finish()
+    }
+}
+
+/// Each call builds a service with lanes of its own, shared by that service's clones.
+impl<S: TransactionSafe> Layer<S> for PgBatchedLayer {
+    type Service = PgBatchedService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        PgBatchedService::new(inner, Lanes::new(self.record.clone(), Turns, self.limits()))
+    }
+}

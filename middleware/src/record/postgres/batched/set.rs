@@ -1,0 +1,238 @@
+//! The batched mode with a set-based handler: one call writes the effects of every claimed
+//! delivery of the batch.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures_util::FutureExt;
+use tower_service::Service;
+
+use super::super::transactional::PgTransactionalLayer;
+use super::lane::{Ended, Joiner, Lanes, Limits, Word, Writer, Written};
+use crate::backend::postgres::Checkout;
+use crate::envelope::Envelope;
+use crate::handler::{Argument, HandlerError, InTransaction};
+use crate::outcome::{Outcome, RetryReason};
+use crate::record::postgres::PgTransaction;
+use crate::route::panic_message;
+use crate::telemetry::Probe;
+use crate::tier::{BoxFuture, Tier, decide};
+
+/// A handler that writes the effects of many deliveries at once — one multi-row `INSERT`,
+/// one `UPDATE … FROM (VALUES …)` — in the batched record's transaction. Any
+/// `async fn(PgTransaction, Vec<Envelope>) -> Result<BatchAnswer, HandlerError>` is one.
+///
+/// It receives the envelopes whose keys the batch claimed (never two of one key, never a
+/// duplicate of a settled key) and answers per envelope ([`BatchAnswer`]). When it answers
+/// an error for the whole batch, panics, or fails an envelope, the batch is rolled back and
+/// every envelope that did not fail runs again alone: the handler is called once per
+/// envelope, with a batch of one, each in a transaction of its own. So it must write
+/// nothing outside the transaction, and an error of one envelope (a body that does not
+/// parse, say) may simply be returned with `?`: the envelopes that are fine are written on
+/// their second run, the bad one fails alone.
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Writes the effects of `batch` in `transaction`, and answers per envelope.
+    fn handle(
+        &self,
+        transaction: PgTransaction,
+        batch: Vec<Envelope>,
+    ) -> impl Future<Output = Result<BatchAnswer, HandlerError>> + Send;
+}
+
+impl<F, Fut> BatchHandler for F
+where
+    F: Fn(PgTransaction, Vec<Envelope>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<BatchAnswer, HandlerError>> + Send,
+{
+    fn handle(
+        &self,
+        transaction: PgTransaction,
+        batch: Vec<Envelope>,
+    ) -> impl Future<Output = Result<BatchAnswer, HandlerError>> + Send {
+        self(transaction, batch)
+    }
+}
+
+/// A [`BatchHandler`]'s answer, per envelope of the batch it was given: processed, unless
+/// [failed](BatchAnswer::fail).
+#[derive(Debug, Default)]
+pub struct BatchAnswer {
+    failures: Vec<(usize, HandlerError)>,
+}
+
+impl BatchAnswer {
+    /// Every envelope processed.
+    pub fn processed() -> Self {
+        BatchAnswer::default()
+    }
+
+    /// The envelope at `index` (in the batch as given) failed with `error`: it answers the
+    /// error's outcome (retry, or dead letter when permanent). The batch is then rolled back
+    /// and the other envelopes run again alone, so what the handler wrote for the failed
+    /// envelope is never committed. An index beyond the batch fails the whole batch.
+    pub fn fail(&mut self, index: usize, error: impl Into<HandlerError>) -> &mut Self {
+        self.failures.push((index, error.into()));
+        self
+    }
+
+    /// The outcome of each of `count` envelopes; `None` when the answer names an envelope
+    /// the batch does not have.
+    fn into_outcomes(self, count: usize) -> Option<Vec<Outcome>> {
+        let mut outcomes = vec![Outcome::Processed; count];
+        for (index, error) in self.failures {
+            *outcomes.get_mut(index)? = error.into_outcome();
+        }
+        Some(outcomes)
+    }
+}
+
+/// The answer when a handler failed an envelope it was not given: which one it meant is
+/// unknown, so the whole batch failed.
+fn not_in_the_batch() -> Outcome {
+    HandlerError::transient("the batch handler failed an envelope it was not given").into_outcome()
+}
+
+/// Calls the set handler once for the group.
+pub(super) struct SetWriter<H>(Arc<H>);
+
+impl<H> Clone for SetWriter<H> {
+    fn clone(&self) -> Self {
+        SetWriter(self.0.clone())
+    }
+}
+
+impl<H: BatchHandler> Writer for SetWriter<H> {
+    type Turn = Infallible;
+
+    async fn write(
+        &self,
+        transaction: &Arc<Checkout>,
+        group: Vec<Joiner<Infallible>>,
+    ) -> Written<Infallible> {
+        let envelopes = group.iter().map(|joiner| joiner.envelope.clone()).collect();
+        let call = self.0.handle(PgTransaction(transaction.clone()), envelopes);
+        let answer = AssertUnwindSafe(call).catch_unwind().await;
+        let (whole_batch_failed, tainted) = match answer {
+            Ok(Ok(answer)) => match answer.into_outcomes(group.len()) {
+                Some(outcomes) => {
+                    let ended = group.into_iter().zip(outcomes);
+                    return Written {
+                        ended: ended
+                            .map(|(joiner, outcome)| Ended::of(joiner, Some(outcome)))
+                            .collect(),
+                        tainted: false,
+                    };
+                }
+                None => (not_in_the_batch(), false),
+            },
+            Ok(Err(error)) => (error.into_outcome(), false),
+            // Its statements may still be running: the connection is closed.
+            Err(panic) => (
+                Outcome::retry_later(RetryReason::HandlerPanicked, panic_message(panic.as_ref()), None),
+                true,
+            ),
+        };
+        // Which envelope failed is unknown, unless there is only one.
+        let alone = group.len() == 1;
+        Written {
+            ended: group
+                .into_iter()
+                .map(|joiner| Ended::of(joiner, alone.then(|| whole_batch_failed.clone())))
+                .collect(),
+            tainted,
+        }
+    }
+}
+
+/// The batched transactional record with a set handler; built by
+/// [`PgBatchedLayer::batch_handler`](super::PgBatchedLayer::batch_handler). Each call is one
+/// delivery, which joins a batch and answers its own outcome.
+pub struct PgBatchHandlerService<H: BatchHandler> {
+    lanes: Arc<Lanes<SetWriter<H>>>,
+}
+
+impl<H: BatchHandler> PgBatchHandlerService<H> {
+    pub(super) fn new(handler: H, record: PgTransactionalLayer, limits: Limits) -> Self {
+        let writer = SetWriter(Arc::new(handler));
+        PgBatchHandlerService {
+            lanes: Arc::new(Lanes::new(record, writer, limits)),
+        }
+    }
+}
+
+impl<H: BatchHandler> Clone for PgBatchHandlerService<H> {
+    fn clone(&self) -> Self {
+        PgBatchHandlerService {
+            lanes: self.lanes.clone(),
+        }
+    }
+}
+
+impl<H: BatchHandler> std::fmt::Debug for PgBatchHandlerService<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgBatchHandlerService")
+            .field("record", self.lanes.record())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: BatchHandler> Service<Envelope> for PgBatchHandlerService<H> {
+    type Response = Outcome;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Outcome, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, envelope: Envelope) -> Self::Future {
+        let lanes = self.lanes.clone();
+        Box::pin(async move {
+            let probe = Probe::enter(&envelope, Tier::Record);
+            let outcome = match lanes.join(&envelope).await {
+                Word::Answer(outcome) => outcome,
+                Word::Alone => {
+                    let one_by_one = OneByOne(lanes.writer().0.clone());
+                    decide(lanes.record(), one_by_one, envelope, &probe).await
+                }
+                Word::Turn(never) => match never {},
+            };
+            probe.answered(&outcome);
+            Ok(outcome)
+        })
+    }
+}
+
+/// The set handler as a per-delivery handler, for a delivery that runs alone: a batch of one.
+struct OneByOne<H>(Arc<H>);
+
+impl<H: BatchHandler> Service<Envelope> for OneByOne<H> {
+    type Response = Outcome;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Outcome, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, envelope: Envelope) -> Self::Future {
+        let handler = self.0.clone();
+        Box::pin(async move {
+            let transaction = match <PgTransaction as Argument<InTransaction>>::take(&envelope) {
+                Ok(transaction) => transaction,
+                Err(outcome) => return Ok(outcome),
+            };
+            let outcome = match handler.handle(transaction, vec![envelope]).await {
+                Ok(answer) => answer
+                    .into_outcomes(1)
+                    .and_then(|mut outcomes| outcomes.pop())
+                    .unwrap_or_else(not_in_the_batch),
+                Err(error) => error.into_outcome(),
+            };
+            Ok(outcome)
+        })
+    }
+}
