@@ -179,12 +179,20 @@ impl RecordMode {
     {
         let records = PgTransactionalLayer::new(pool.clone(), table);
         match self {
-            RecordMode::PerDelivery => BoxCloneSyncService::new(records.layer(handler).map_err(Into::into)),
-            RecordMode::Batched => {
-                BoxCloneSyncService::new(records.batched().layer(handler).map_err(Into::into))
-            }
+            RecordMode::PerDelivery => boxed(records.layer(handler)),
+            RecordMode::Batched => boxed(records.batched().layer(handler)),
         }
     }
+}
+
+/// `stack` as a [`BoxedStack`].
+pub fn boxed<S>(stack: S) -> BoxedStack
+where
+    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+{
+    BoxCloneSyncService::new(stack.map_err(Into::into))
 }
 
 /// A TCP proxy in front of `DATABASE_URL`'s server that can lose the answer to a commit:

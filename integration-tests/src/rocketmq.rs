@@ -24,6 +24,7 @@ pub struct ScratchRocketMq {
     runtime: OwnedClientRuntime,
     producer: Arc<DefaultMQProducer>,
     consumers: Vec<DefaultMQPushConsumer>,
+    batch_size: u32,
     /// The topic to send to and consume from.
     pub topic: String,
     /// The consumer group of the test's listener.
@@ -62,6 +63,7 @@ impl ScratchRocketMq {
             runtime,
             producer: Arc::new(producer),
             consumers: Vec::new(),
+            batch_size: 1,
             topic,
             group,
             dead_letter_topic,
@@ -81,6 +83,13 @@ impl ScratchRocketMq {
                 .await
                 .unwrap_or_else(|error| panic!("create the topic {topic}: {error}"));
         }
+    }
+
+    /// Consumers started from now on hand their listeners up to `size` messages at once
+    /// (`consume_message_batch_max_size`; 1 by default).
+    pub fn with_batch_size(mut self, size: u32) -> Self {
+        self.batch_size = size.max(1);
+        self
     }
 
     /// The client runtime the test's producer and consumers run on.
@@ -173,9 +182,9 @@ impl ScratchRocketMq {
             .consumer_group(group.to_owned())
             .name_server_addr(namesrv_addr())
             .consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset)
-            // The default, stated: the listener settles a batch as one, so a retry of one
-            // message would bring back every other message of its batch.
-            .consume_message_batch_max_size(1)
+            // 1 unless a test asks for batches: the listener settles a batch as one, so a
+            // retry of one message brings back every other message of its batch.
+            .consume_message_batch_max_size(self.batch_size)
             .build();
         consumer.subscribe(topic, "*").await.expect("subscribe");
         consumer
@@ -186,13 +195,18 @@ impl ScratchRocketMq {
         self.consumers.push(consumer);
     }
 
-    /// Shuts the consumers, the producer and the runtime down.
-    pub async fn shutdown(mut self) {
+    /// Shuts down the consumers started so far.
+    pub async fn stop_consumers(&mut self) {
         for consumer in &mut self.consumers {
             consumer.shutdown().await;
         }
         // The listeners hold clones of the producer (their dead-letter topic).
         self.consumers.clear();
+    }
+
+    /// Shuts the consumers, the producer and the runtime down.
+    pub async fn shutdown(mut self) {
+        self.stop_consumers().await;
         if let Some(producer) = Arc::get_mut(&mut self.producer) {
             producer.shutdown().await;
         }

@@ -126,6 +126,13 @@ async fn a_failing_handler_mid_batch_costs_its_neighbours_nothing() {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 Ok(())
             }
+            "o-35" => {
+                // Its own COMMIT, whose failure it ignores: it would commit the claims of
+                // the orders after it without their effects.
+                let tx = envelope.extensions().get::<PgTransaction>().unwrap().clone();
+                let _ignored = tx.batch_execute("COMMIT").await;
+                Ok(())
+            }
             _ => Ok(()),
         }
     });
@@ -145,16 +152,17 @@ async fn a_failing_handler_mid_batch_costs_its_neighbours_nothing() {
     assert_eq!(reason(10), Some(RetryReason::HandlerFailed), "{reasons:?}");
     assert_eq!(reason(25), Some(RetryReason::HandlerFailed), "{reasons:?}");
     assert_eq!(reason(30), Some(RetryReason::HandlerFailed), "{reasons:?}");
+    assert_eq!(reason(35), Some(RetryReason::HandlerFailed), "{reasons:?}");
     assert_eq!(
         reasons.get(&20).and_then(Outcome::dead_letter_reason),
         Some(DeadLetterReason::Rejected),
         "{reasons:?}"
     );
-    assert_eq!(reasons.len(), 5, "only the faulty orders fail: {reasons:?}");
+    assert_eq!(reasons.len(), 6, "only the faulty orders fail: {reasons:?}");
     let moves = moves(&schema).await;
-    assert_eq!(moves.len(), 35, "{moves:?}");
+    assert_eq!(moves.len(), 34, "{moves:?}");
     assert!(moves.values().all(|count| *count == 1), "{moves:?}");
-    for faulty in [5, 10, 20, 25, 30] {
+    for faulty in [5, 10, 20, 25, 30, 35] {
         assert!(
             !moves.contains_key(&format!("o-{faulty}")),
             "o-{faulty} committed"
@@ -164,7 +172,7 @@ async fn a_failing_handler_mid_batch_costs_its_neighbours_nothing() {
         schema
             .count("SELECT count(*) FROM consumption_record WHERE status = 'SUCCESS'")
             .await,
-        35
+        34
     );
 }
 
@@ -352,4 +360,49 @@ async fn a_batch_handler_writes_a_batch_at_once_and_a_bad_envelope_fails_alone()
     let moves = moves(&schema).await;
     assert_eq!(moves.len(), 48 + 15, "{moves:?}");
     assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_dropped_while_waiting_for_its_turn_leaves_no_record_without_its_effect() {
+    let (schema, pool) = stock_schema(8).await;
+    // One lane: both orders share its transaction; o-0 holds it for 300 ms.
+    let records = PgTransactionalLayer::new(pool.clone(), schema.records())
+        .batched()
+        .with_lanes(1);
+    let handler = handler_fn(|envelope: Envelope| async move {
+        if envelope.key().as_str() == "o-0" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        insert_stock_move(&envelope).await
+    });
+    let route = Route::new(
+        "deduct_stock",
+        KeyExtractor::json_pointer("/orderId"),
+        ServiceBuilder::new().layer(records).service(handler),
+    );
+    let slow = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("o-0")).await }
+    });
+    let waiting = tokio::spawn({
+        let route = route.clone();
+        async move { route.handle(order("o-1")).await }
+    });
+    // Gone while o-0's handler runs: a shutdown, a timeout in front.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    waiting.abort();
+    assert_eq!(slow.await.unwrap(), Outcome::Processed);
+    assert_eq!(
+        schema
+            .count(
+                "SELECT count(*) FROM consumption_record r WHERE status = 'SUCCESS'
+                 AND NOT EXISTS (SELECT 1 FROM stock_moves m WHERE m.order_id = r.message_key)"
+            )
+            .await,
+        0,
+        "a key recorded as processed without its effect"
+    );
+    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+    let moves = moves(&schema).await;
+    assert_eq!((moves.get("o-0"), moves.get("o-1")), (Some(&1), Some(&1)));
 }

@@ -128,11 +128,12 @@ async fn a_handler_that_ends_the_transaction_itself_is_retried() {
         // A write then "ROLLBACK"; or "ROLLBACK" (with or without a "BEGIN") then a write, which
         // would commit without the key's record and be applied again by the retry: the commit
         // checks the transaction is still the one that claimed the key, and outside it the
-        // session is read-only.
+        // session is read-only. A write then "COMMIT": the record's guard trigger fails it.
         for (ending, write_first) in [
             ("ROLLBACK", true),
             ("ROLLBACK; BEGIN", false),
             ("ROLLBACK", false),
+            ("COMMIT", true),
         ] {
             let (schema, pool) = stock_schema(4).await;
             let first = Arc::new(AtomicUsize::new(0));

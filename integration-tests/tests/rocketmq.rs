@@ -483,3 +483,65 @@ async fn a_dead_letter_the_broker_does_not_store_is_retried_not_acknowledged() {
     );
     rocketmq.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrent_listeners_batch_shares_the_batched_records_transaction() {
+    const ORDERS: usize = 64;
+    const BATCH: u32 = 16;
+    let schema = points_schema().await;
+    let mut rocketmq = ScratchRocketMq::new("batched").await.with_batch_size(BATCH);
+    // One queue: the listener gets full batches of what is waiting.
+    rocketmq.create_topics(1).await;
+    for order in 0..ORDERS {
+        let key = format!("order_{order}");
+        rocketmq
+            .send(rocketmq.message(Some(&key), &payment_body(order)))
+            .await;
+        if order % 8 == 0 {
+            // A re-sent order: its copy is in the same batch or the next.
+            rocketmq
+                .send(rocketmq.message(Some(&key), &payment_body(order)))
+                .await;
+        }
+    }
+    let credit = |tx: PgTransaction, key: BusinessKey| async move {
+        tx.execute(
+            "INSERT INTO points (order_id, attempt) VALUES ($1, 1)",
+            &[&key.as_str()],
+        )
+        .await?;
+        Ok::<(), HandlerError>(())
+    };
+    let records = PgTransactionalLayer::new(schema_pool(schema.name(), 8), schema.records()).batched();
+    let route = Route::new(
+        "credit_points",
+        KeyExtractor::broker_key(),
+        records.handler(credit),
+    );
+    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+
+    wait_until(Duration::from_secs(90), || async {
+        schema.count("SELECT count(*) FROM points").await >= ORDERS as i64
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        schema.count("SELECT count(DISTINCT order_id) FROM points").await,
+        ORDERS as i64
+    );
+    assert_eq!(
+        schema.count("SELECT count(*) FROM points").await,
+        ORDERS as i64,
+        "every order credited once"
+    );
+    let commits = schema
+        .count("SELECT count(DISTINCT xmin::text) FROM consumption_record WHERE status = 'SUCCESS'")
+        .await;
+    assert!(
+        commits <= 2 * (ORDERS as i64) / i64::from(BATCH),
+        "{ORDERS} orders in batches of {BATCH} took {commits} commits"
+    );
+    rocketmq.shutdown().await;
+}

@@ -27,3 +27,28 @@ CREATE INDEX IF NOT EXISTS {processing_lease_index}
 -- The retention purge's scan: old SUCCESS rows.
 CREATE INDEX IF NOT EXISTS {success_updated_index}
     ON {schema}.{table} (updated_at) WHERE status = 'SUCCESS';
+
+-- The transactional record's guard: its transaction may only be committed by the tier. A
+-- handler that runs COMMIT itself would commit the keys' records before their effects (in a
+-- batch, the records of the deliveries whose handlers have not run yet); its COMMIT fails
+-- instead, and the transaction is rolled back. The tier marks its transactions 'open' and
+-- sets 'committing' just before its own COMMIT; other writers set nothing and pass.
+CREATE OR REPLACE FUNCTION {schema}.oncely_commit_guard() RETURNS trigger LANGUAGE plpgsql AS $guard$
+BEGIN
+    IF current_setting('oncely.transaction', true) = 'open' THEN
+        RAISE EXCEPTION 'only oncely commits the transactional record''s transaction: a handler ran COMMIT';
+    END IF;
+    RETURN NULL;
+END
+$guard$;
+
+DO $trigger$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgrelid = '{schema}.{table}'::regclass AND tgname = 'oncely_commit_guard') THEN
+        CREATE CONSTRAINT TRIGGER oncely_commit_guard AFTER INSERT OR UPDATE ON {schema}.{table}
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.status = 'SUCCESS')
+            EXECUTE FUNCTION {schema}.oncely_commit_guard();
+    END IF;
+END
+$trigger$;

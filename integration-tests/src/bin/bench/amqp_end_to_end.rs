@@ -1,6 +1,8 @@
 //! `amqp`: end-to-end messages per second through the RabbitMQ runner with no tiers, with
-//! the Redis flag, and with the flag and the PostgreSQL record (transactional), next to a raw
-//! lapin consumer with the same prefetch that acks each message from its own task.
+//! the Redis flag, and with the full stack (the Redis flag with the record behind it, the
+//! Redis lock and the PostgreSQL record) — the record one transaction per delivery, batched
+//! with per-delivery handlers, and batched with a batch handler — next to a raw lapin
+//! consumer with the same prefetch that acks each message from its own task.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -9,16 +11,20 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::Pool;
 use futures_lite::StreamExt;
+use integration_tests::RouteStack;
 use integration_tests::amqp::{connect, ready_messages, scratch_topology};
 use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{redis_connection, unique};
 use lapin::Channel;
 use oncely::flag::{FlagLayer, RedisFlagStore};
-use oncely::record::{PgTransactionalLayer, TransactionSafe};
+use oncely::lock::{LockLayer, RedisLockStore};
+use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer, TransactionSafe};
+use oncely::tier::BoxFuture;
 use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, Token, handler_fn};
 use oncely_amqp::{Runner, Topology};
 use tokio_util::sync::CancellationToken;
+use tower::Layer;
 use tower::ServiceBuilder;
 
 use crate::measure::median;
@@ -40,18 +46,25 @@ enum Consumer {
     Runner,
     /// The runner with the Redis flag in front of the handler.
     RunnerFlag,
-    /// The runner with the Redis flag and the PostgreSQL record (transactional), the handler
+    /// The runner with the full stack, the record one transaction per delivery, the handler
     /// writing a row in the record's transaction.
-    RunnerFlagRecord,
+    FullStack,
+    /// The same with the record batched.
+    FullStackBatched,
+    /// The same with the record batched and a batch handler writing the rows of a batch at
+    /// once.
+    FullStackBatchHandler,
 }
 
 impl Consumer {
     /// Every consumer, the baseline first: the order they take turns in.
-    const ALL: [Consumer; 4] = [
+    const ALL: [Consumer; 6] = [
         Consumer::RawLapin,
         Consumer::Runner,
         Consumer::RunnerFlag,
-        Consumer::RunnerFlagRecord,
+        Consumer::FullStack,
+        Consumer::FullStackBatched,
+        Consumer::FullStackBatchHandler,
     ];
 
     fn name(self) -> &'static str {
@@ -59,7 +72,9 @@ impl Consumer {
             Consumer::RawLapin => "raw lapin consumer",
             Consumer::Runner => "runner, no tiers",
             Consumer::RunnerFlag => "runner, Redis flag",
-            Consumer::RunnerFlagRecord => "runner, Redis flag + PostgreSQL record",
+            Consumer::FullStack => "runner, full stack (flag + lock + record per delivery)",
+            Consumer::FullStackBatched => "runner, full stack, batched record",
+            Consumer::FullStackBatchHandler => "runner, full stack, batched record + batch handler",
         }
     }
 
@@ -81,16 +96,20 @@ impl Consumer {
                 let route = Route::new("bench", key(), stack);
                 runner_consumer(&services.channel, &topology, route, handled).await
             }
-            Consumer::RunnerFlagRecord => {
-                let stack = ServiceBuilder::new()
-                    .layer(services.flag().await)
-                    .layer(PgTransactionalLayer::new(
-                        services.schema_pool.clone(),
-                        services.schema.records(),
-                    ))
-                    .service(handler(handled.clone(), Effect::StockMove));
-                let route = Route::new("bench", key(), stack);
-                runner_consumer(&services.channel, &topology, route, handled).await
+            Consumer::FullStack => {
+                let records = services.records();
+                let route = services.full_stack(records.layer(handler(handled.clone(), Effect::StockMove)));
+                runner_consumer(&services.channel, &topology, route.await, handled).await
+            }
+            Consumer::FullStackBatched => {
+                let records = services.records().batched();
+                let route = services.full_stack(records.layer(handler(handled.clone(), Effect::StockMove)));
+                runner_consumer(&services.channel, &topology, route.await, handled).await
+            }
+            Consumer::FullStackBatchHandler => {
+                let records = services.records().batched();
+                let route = services.full_stack(records.batch_handler(counted_stock_moves(handled.clone())));
+                runner_consumer(&services.channel, &topology, route.await, handled).await
             }
         };
         topology
@@ -138,6 +157,31 @@ impl Services {
             RedisFlagStore::new(redis_connection(&self.redis.url()).await).with_prefix(unique("bench"));
         FlagLayer::new(flags, Duration::from_secs(600))
     }
+
+    /// The transactional record on the schema's pool.
+    fn records(&self) -> PgTransactionalLayer {
+        PgTransactionalLayer::new(self.schema_pool.clone(), self.schema.records())
+    }
+
+    /// The full stack in front of `records` (the record tier with its handler): the Redis
+    /// flag with the record behind it and the Redis lock on the body's `/sku`.
+    async fn full_stack<S>(&self, records: S) -> Route<impl RouteStack<S::Error> + use<S>>
+    where
+        S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        let connection = redis_connection(&self.redis.url()).await;
+        let lock = LockLayer::new(
+            RedisLockStore::new(connection).with_prefix(unique("bench")),
+            KeyExtractor::json_pointer("/sku"),
+        );
+        let stack = ServiceBuilder::new()
+            .layer(self.flag().await.with_record_behind())
+            .layer(lock)
+            .service(records);
+        Route::new("bench", key(), stack)
+    }
 }
 
 /// Every measured consumer against the raw one, each the median of [`ROUNDS`] taking turns;
@@ -166,6 +210,18 @@ pub(crate) async fn run(report: &mut Report) {
         ratio: Row::last_ratio(&rows, Consumer::RunnerFlag.name()),
         baseline: "a raw lapin consumer",
         at_least: 0.70,
+    });
+    report.add_target(Target {
+        what: "RabbitMQ full stack, batched record",
+        ratio: Row::last_ratio(&rows, Consumer::FullStackBatched.name()),
+        baseline: "a raw lapin consumer",
+        at_least: 0.25,
+    });
+    report.add_target(Target {
+        what: "RabbitMQ full stack, batched record + batch handler",
+        ratio: Row::last_ratio(&rows, Consumer::FullStackBatchHandler.name()),
+        baseline: "a raw lapin consumer",
+        at_least: 0.40,
     });
     report.add(Section {
         title: format!("RabbitMQ end to end ({MESSAGES} messages, prefetch {PREFETCH})"),
@@ -213,13 +269,35 @@ fn handler(
     })
 }
 
+/// The batch handler of the bench: one `INSERT` for the stock moves of a batch, then the
+/// deliveries counted in `handled`.
+fn counted_stock_moves(
+    handled: Arc<AtomicU64>,
+) -> impl Fn(PgTransaction, Vec<Envelope>) -> BoxFuture<Result<BatchAnswer, HandlerError>> + Send + Sync + 'static
+{
+    move |tx: PgTransaction, batch: Vec<Envelope>| {
+        let handled = handled.clone();
+        Box::pin(async move {
+            let orders: Vec<String> = batch.iter().map(|envelope| envelope.key().to_string()).collect();
+            tx.execute(
+                "INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])",
+                &[&orders],
+            )
+            .await?;
+            handled.fetch_add(batch.len() as u64, Ordering::Relaxed);
+            Ok(BatchAnswer::processed())
+        })
+    }
+}
+
 /// Fills a fresh queue of `topology` with [`MESSAGES`] orders never seen before
 /// (unconfirmed publishes, then a wait until the broker counts them all).
 async fn fill(channel: &Channel, topology: &Topology) {
     topology.declare(channel).await.expect("declare");
     let batch = Token::random();
     for n in 0..MESSAGES {
-        let body = format!(r#"{{"orderId":"{batch}-{n}"}}"#);
+        // A product per order: the lock then never makes one order wait for another.
+        let body = format!(r#"{{"orderId":"{batch}-{n}","sku":"{batch}-{n}"}}"#);
         // Unconfirmed on purpose: filling is not measured, and the wait below counts what
         // the broker stored.
         drop(

@@ -1,5 +1,5 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench --
-//! [all|redis|postgres|amqp|prefilter]...`; every benchmark when none is named).
+//! [all|redis|postgres|amqp|rocketmq|prefilter]...`; every benchmark when none is named).
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
 //! run, prints a table per benchmark with the ratio, and writes them to `BENCHMARKS.md` with
@@ -9,10 +9,14 @@
 //! - `redis` ([`redis_flag`]): flag claims next to raw `SET NX PX`, on a Redis of the
 //!   bench's own;
 //! - `postgres` ([`postgres_record`]): three-step record claims, single-row next to
-//!   coalesced;
+//!   coalesced; the transactional record, one transaction per delivery next to batched with
+//!   per-delivery handlers and with a batch handler;
 //! - `amqp` ([`amqp_end_to_end`]): end-to-end messages per second through the RabbitMQ
-//!   runner with no tiers, with the Redis flag, and with the flag and the PostgreSQL record,
-//!   next to a raw lapin consumer;
+//!   runner with no tiers, with the Redis flag, and with the full stack (the record per
+//!   delivery, batched, batched with a batch handler), next to a raw lapin consumer;
+//! - `rocketmq` ([`rocketmq_end_to_end`]): end-to-end messages per second through RocketMQ's
+//!   concurrent listener with the full stack, the record per message and batched, next to a
+//!   raw listener;
 //! - `prefilter` ([`prefilter`]): at 1 %, 10 % and 50 % duplicates, how many envelopes make
 //!   a Redis claim and reach PostgreSQL with and without a Bloom pre-filter, and messages
 //!   per second.
@@ -28,6 +32,7 @@ mod postgres_record;
 mod prefilter;
 mod redis_flag;
 mod report;
+mod rocketmq_end_to_end;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -55,16 +60,19 @@ enum Benchmark {
     Postgres,
     /// RabbitMQ end to end, the runner with tiers against a raw lapin consumer.
     Amqp,
+    /// RocketMQ end to end, the concurrent listener with the full stack against a raw one.
+    Rocketmq,
     /// The Bloom pre-filter at 1, 10 and 50 % duplicates.
     Prefilter,
 }
 
 impl Benchmark {
     /// The benchmarks in the order they run.
-    const EACH: [Benchmark; 4] = [
+    const EACH: [Benchmark; 5] = [
         Benchmark::Redis,
         Benchmark::Postgres,
         Benchmark::Amqp,
+        Benchmark::Rocketmq,
         Benchmark::Prefilter,
     ];
 
@@ -84,6 +92,7 @@ impl Benchmark {
             Benchmark::Redis => redis_flag::run(report).await,
             Benchmark::Postgres => postgres_record::run(report).await,
             Benchmark::Amqp => amqp_end_to_end::run(report).await,
+            Benchmark::Rocketmq => rocketmq_end_to_end::run(report).await,
             Benchmark::Prefilter => prefilter::run(report).await,
         }
     }

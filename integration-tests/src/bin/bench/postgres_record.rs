@@ -1,11 +1,17 @@
-//! `postgres`: three-step record claims, single-row next to coalesced, on `DATABASE_URL` in a
-//! schema of the bench's own, dropped afterwards.
+//! `postgres`: three-step record claims, single-row next to coalesced; and the transactional
+//! record with an effect row written in its transaction, one transaction per delivery next to
+//! batched, with per-delivery handlers and with a set handler. On `DATABASE_URL`, in schemas of
+//! the bench's own, dropped afterwards.
 
 use std::time::Duration;
 
-use integration_tests::postgres::{ScratchSchema, pool};
-use oncely::record::{PgRecordStore, RecordStore};
-use oncely::{BusinessKey, Fingerprint};
+use deadpool_postgres::Pool;
+use integration_tests::postgres::{ScratchSchema, boxed, pool, schema_pool, stock_move};
+use oncely::postgres::Table;
+use oncely::record::{BatchAnswer, PgRecordStore, PgTransaction, PgTransactionalLayer, RecordStore};
+use oncely::{
+    BusinessKey, Delivery, Envelope, Fingerprint, HandlerError, KeyExtractor, Outcome, Route, Source,
+};
 
 use crate::measure::{Op, compare_at_each_level, op};
 use crate::report::{Plot, Report, Row, Section, Target};
@@ -47,9 +53,15 @@ impl Claims {
     }
 }
 
+/// Both PostgreSQL record benchmarks.
+pub(crate) async fn run(report: &mut Report) {
+    claims(report).await;
+    transactions(report).await;
+}
+
 /// Measures coalesced claims against single-row claims at each in-flight level, on a pool
 /// of 16, and adds the table and the coalescing's target to `report`.
-pub(crate) async fn run(report: &mut Report) {
+async fn claims(report: &mut Report) {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
     let store = PgRecordStore::new(pool.clone(), schema.records());
@@ -69,6 +81,94 @@ pub(crate) async fn run(report: &mut Report) {
         unit: None,
         rows,
         note: None,
+        plot: Plot::Curves("PostgreSQL: "),
+    });
+}
+
+/// How the transactional record commits the deliveries it is given.
+#[derive(Clone, Copy)]
+enum Commits {
+    /// The baseline: one transaction per delivery.
+    PerDelivery,
+    /// Batched, each delivery's handler writing its row.
+    Batched,
+    /// Batched, one set handler writing the rows of the whole batch.
+    BatchHandler,
+}
+
+impl Commits {
+    fn name(self) -> &'static str {
+        match self {
+            Commits::PerDelivery => "transactional record, one transaction per delivery",
+            Commits::Batched => "batched record, per-delivery handler",
+            Commits::BatchHandler => "batched record, batch handler",
+        }
+    }
+
+    /// A delivery of a new order through the record in this mode to a handler writing its
+    /// stock move in the record's transaction, answered processed.
+    fn op(self, pool: &Pool, records: Table) -> Op {
+        let per_delivery = PgTransactionalLayer::new(pool.clone(), records);
+        let route = match self {
+            Commits::PerDelivery => boxed(per_delivery.handler(stock_move)),
+            Commits::Batched => boxed(per_delivery.batched().handler(stock_move)),
+            Commits::BatchHandler => boxed(per_delivery.batched().batch_handler(stock_moves)),
+        };
+        let route = Route::new("bench", KeyExtractor::json_pointer("/orderId"), route);
+        op(route, |route, i| async move {
+            let body = format!(r#"{{"orderId":"{i}"}}"#);
+            let outcome = route.handle(Delivery::new(Source::new("bench"), body)).await;
+            assert_eq!(outcome, Outcome::Processed);
+        })
+    }
+}
+
+/// The batch handler of the benchmark: one `INSERT` for every stock move of the batch.
+async fn stock_moves(tx: PgTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {
+    let orders: Vec<&str> = batch.iter().map(|envelope| envelope.key().as_str()).collect();
+    tx.execute(
+        "INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])",
+        &[&orders],
+    )
+    .await?;
+    Ok(BatchAnswer::processed())
+}
+
+/// Measures the batched record, with either handler, against one transaction per delivery
+/// at each in-flight level, on a pool of 16, and adds the table and the batching's targets.
+async fn transactions(report: &mut Report) {
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE stock_moves (order_id TEXT NOT NULL)")
+        .await;
+    let pool = schema_pool(schema.name(), 16);
+    let nothing = op((), |(), _| async {});
+    let measured = [Commits::Batched, Commits::BatchHandler]
+        .map(|commits| (commits.name(), commits.op(&pool, schema.records())));
+    let baseline = Commits::PerDelivery.op(&pool, schema.records());
+    let rows = compare_at_each_level(&nothing, &baseline, &measured).await;
+    report.add_target(Target {
+        what: "PostgreSQL batched record at 64 in flight",
+        ratio: Row::last_ratio(&rows, Commits::Batched.name()),
+        baseline: "one transaction per delivery",
+        at_least: 5.0,
+    });
+    report.add_target(Target {
+        what: "PostgreSQL batched record, a lone delivery (1 in flight; latency ≤ 1.1×)",
+        ratio: Row::ratio_at(&rows, Commits::Batched.name(), 1),
+        baseline: "one transaction per delivery",
+        at_least: 1.0 / 1.1,
+    });
+    report.add(Section {
+        title: "PostgreSQL transactional record (a stock-move row written in the transaction, pool of 16)"
+            .into(),
+        baseline_name: Commits::PerDelivery.name(),
+        unit: None,
+        rows,
+        note: Some(
+            "The batched record's defaults: batches of at most 64, joiners taken in for 10 ms, 2 lanes."
+                .into(),
+        ),
         plot: Plot::Curves("PostgreSQL: "),
     });
 }

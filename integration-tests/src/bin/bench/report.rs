@@ -24,6 +24,14 @@ impl Row {
         self.per_second / self.baseline
     }
 
+    /// The ratio of the row of `rows` that measured `what` at `in_flight`.
+    pub(crate) fn ratio_at(rows: &[Row], what: &str, in_flight: usize) -> f64 {
+        rows.iter()
+            .find(|row| row.what == what && row.in_flight == in_flight)
+            .unwrap_or_else(|| panic!("no row measured {what} at {in_flight} in flight"))
+            .ratio()
+    }
+
     /// The ratio of the last row of `rows` that measured `what`: its highest in-flight level,
     /// which the targets are set at.
     pub(crate) fn last_ratio(rows: &[Row], what: &str) -> f64 {

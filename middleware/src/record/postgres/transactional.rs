@@ -26,8 +26,10 @@ use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 /// same query as the `BEGIN` would join the transaction and be undone with it.
 const READ_ONLY_OUTSIDE: &str = "SET default_transaction_read_only = on";
 
-/// Opens the tier's transaction.
-const BEGIN: &str = "BEGIN READ WRITE";
+/// Opens the tier's transaction, marked as the tier's for the guard
+/// ([`migrate`](crate::postgres::migrate)'s `oncely_commit_guard`): a `COMMIT` of it that the
+/// tier did not send fails.
+const BEGIN: &str = "BEGIN READ WRITE; SET LOCAL oncely.transaction = 'open'";
 
 /// Rolls the tier's transaction back and gives the session its default back. After an
 /// aborted or already ended transaction the `ROLLBACK` only warns, so the `RESET` runs.
@@ -42,8 +44,8 @@ pub(super) const ROLLBACK: &str = "ROLLBACK; RESET default_transaction_read_only
 /// tag `ROLLBACK` and no error, which the client does not show.
 fn commit_checked(xid: i64) -> String {
     format!(
-        "SAVEPOINT oncely_commit_check; SELECT 1 / (txid_current() = {xid})::int; COMMIT; \
-         RESET default_transaction_read_only"
+        "SAVEPOINT oncely_commit_check; SELECT 1 / (txid_current() = {xid})::int; \
+         SET LOCAL oncely.transaction = 'committing'; COMMIT; RESET default_transaction_read_only"
     )
 }
 
@@ -84,12 +86,12 @@ pub(super) async fn open(
 /// such as [`StatusColumns`](crate::postgres::StatusColumns) with `&*tx` — run inside the
 /// transaction that also holds the key's record, and commit only if the stack answers
 /// processed. Do not `COMMIT`
-/// or `ROLLBACK` it yourself: the tier notices and retries the delivery, and the session is
-/// read-only outside the tier's transaction (`default_transaction_read_only`), so a write
-/// after your own `COMMIT` or `ROLLBACK` fails instead of committing on its own; only what
-/// your own `COMMIT` committed stays, together with the key's record. Do not keep it after
-/// the handler returns (a clone kept past the answer commits
-/// nothing). A statement that fails aborts the whole transaction:
+/// or `ROLLBACK` it yourself: your `COMMIT` fails (the record table's guard trigger, which
+/// [`migrate`](crate::postgres::migrate) creates, lets only the tier commit) and rolls the
+/// transaction back, the session is read-only outside the tier's transaction
+/// (`default_transaction_read_only`), so a write after your `ROLLBACK` fails instead of
+/// committing on its own, and the tier retries the delivery. Do not keep it after the
+/// handler returns: a clone kept past the answer commits nothing and can write nothing more. A statement that fails aborts the whole transaction:
 /// returning `Ok` after ignoring such an error does not make the delivery processed — the
 /// tier sees the aborted transaction at commit and answers
 /// [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`].
@@ -414,7 +416,7 @@ pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), O
     // answered; a handle still alive (kept in a spawned task, say) could write after the
     // commit, outside the record.
     if Arc::strong_count(&transaction) > 1 {
-        end(transaction, ROLLBACK).await;
+        abandon(transaction).await;
         return Err(Outcome::retry_later(
             RetryReason::HandlerFailed,
             "nothing was committed: the handler kept its PgTransaction after answering",
@@ -465,6 +467,21 @@ pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), O
         format!("the commit was refused, nothing was committed: {error}"),
         None,
     ))
+}
+
+/// Rolls back a transaction that someone else still holds a handle to (a handler kept its
+/// [`PgTransaction`]): the session stays read-only, so the handle can write nothing more,
+/// and the connection is closed when the last handle is dropped, never pooled again.
+pub(super) async fn abandon(transaction: Arc<Checkout>) {
+    let client = transaction.client();
+    // A statement of the handle's may still be running, holding locks: cancel it first.
+    let _ = client
+        .cancel_token()
+        .cancel_query(deadpool_postgres::tokio_postgres::NoTls)
+        .await;
+    if let Err(error) = client.batch_execute("ROLLBACK").await {
+        tracing::warn!(%error, "could not roll back an abandoned record transaction");
+    }
 }
 
 /// Ends the transaction with `statement`; the connection goes back to the pool only if that

@@ -3,12 +3,16 @@
 
 use std::collections::HashSet;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::super::transactional::{PgTransactionalLayer, ROLLBACK, claim_request, commit, end, open};
+use super::super::transactional::{
+    PgTransactionalLayer, ROLLBACK, abandon, claim_request, commit, end, open,
+};
 use crate::backend::postgres::Checkout;
 use crate::backend::postgres::record::{ClaimRequest, claim_batch};
 use crate::envelope::{BusinessKey, Envelope};
@@ -83,10 +87,15 @@ pub(super) trait Writer: Send + Sync + 'static {
     type Turn: Send + 'static;
 
     /// Runs the handlers of `group`, whose keys the batch's transaction has just claimed.
+    /// `first`: no handler ran in the transaction before this group. A failure a handler
+    /// answers is its own only then — after another handler, it may be that one's doing (a
+    /// swallowed failed statement aborts the transaction, and the next one fails); such a
+    /// failure is reported as "did not run", and the delivery runs again alone.
     fn write(
         &self,
         transaction: &Arc<Checkout>,
         group: Vec<Joiner<Self::Turn>>,
+        first: bool,
     ) -> impl Future<Output = Written<Self::Turn>> + Send;
 }
 
@@ -187,6 +196,10 @@ impl<W: Writer> Lane<W> {
                 let Some(first) = receiver.recv().await else {
                     return;
                 };
+                // Deliveries that arrive together (a broker's batch, sent in one go) may still
+                // be on their way from another thread: one turn of the scheduler lets them
+                // land in this batch. Not a timer: a lone delivery waits microseconds.
+                tokio::task::yield_now().await;
                 let mut intake = vec![first];
                 take_waiting(&mut receiver, &mut intake, self.limits.max_batch);
                 intake
@@ -197,7 +210,16 @@ impl<W: Writer> Lane<W> {
                 }
                 intake
             };
-            later = self.batch(intake).await;
+            // A bug of this lane's (or a set handler panicking before its first await) must
+            // not stop it: the batch's deliveries are answered "lanes stopped" (a retry), its
+            // connection is closed, and the lane goes on.
+            later = match AssertUnwindSafe(self.batch(intake)).catch_unwind().await {
+                Ok(later) => later,
+                Err(_) => {
+                    tracing::error!("a batched record lane panicked; its batch is retried");
+                    Vec::new()
+                }
+            };
         }
     }
 
@@ -223,7 +245,7 @@ impl<W: Writer> Lane<W> {
         let mut ended = Vec::new();
         let mut ending = Ending::Commit;
         loop {
-            let written = self.writer.write(&transaction, group).await;
+            let written = self.writer.write(&transaction, group, ended.is_empty()).await;
             let failed = written.ended.iter().any(|ended| !ended.succeeded());
             ended.extend(written.ended);
             if written.tainted {
@@ -261,7 +283,12 @@ impl<W: Writer> Lane<W> {
                     group = self.admit(fresh, claimed.answers);
                 }
                 Err(error) => {
-                    answer_all(fresh, &store_unavailable(Tier::Record, &error));
+                    // The transaction is aborted (a deadlock with another lane, a lost
+                    // connection): they run alone, which also tells a store that is down.
+                    tracing::debug!(%error, "a batch could not claim its joiners");
+                    for joiner in fresh {
+                        let _ = joiner.reply.send(Word::Alone);
+                    }
                     ending = Ending::Rollback;
                     break;
                 }
@@ -319,7 +346,11 @@ impl<W: Writer> Lane<W> {
                 false
             }
             (Ending::Close, _) => {
-                drop(transaction);
+                match Arc::try_unwrap(transaction) {
+                    // Dropped unmarked, the connection is closed.
+                    Ok(transaction) => drop(transaction),
+                    Err(held) => abandon(held).await,
+                }
                 false
             }
         };

@@ -13,8 +13,9 @@
 //!    decided them is committed). Two copies of one key never share a batch: the second
 //!    goes to the lane's next batch, where it finds what the first one's commit left.
 //! 3. The handlers of the claimed deliveries run inside the transaction. Deliveries that
-//!    arrive meanwhile join the open transaction (another claim) while the batch is below
-//!    its [maximum size](PgBatchedLayer::with_max_batch) and younger than its
+//!    arrive meanwhile, while no other lane is idle to take them, join the open transaction
+//!    (another claim) while the batch is below its
+//!    [maximum size](PgBatchedLayer::with_max_batch) and younger than its
 //!    [maximum linger](PgBatchedLayer::with_max_linger).
 //! 4. One checked `COMMIT` (as in the per-delivery mode: it proves the transaction that
 //!    claimed the keys is the one committing, not aborted and not replaced). Only then is any
@@ -25,9 +26,13 @@
 //! optimistic: no savepoint per delivery (which costs about 40 % of the gain of batching on
 //! PostgreSQL, and past 64 subtransactions per transaction much more). When a handler
 //! fails — returns an error, panics, is cut off by a timeout, swallows a failed statement,
-//! ends the transaction itself — or the commit fails, the whole batch is rolled back; the
+//! ends the transaction itself (its `COMMIT` fails: the record table's guard trigger lets
+//! only the tier commit; after its `ROLLBACK` the session is read-only) — or a delivery
+//! goes away before its turn, or the commit fails, the whole batch is rolled back. The
 //! failing delivery answers its own failure (a retry or a dead letter, as in the
-//! per-delivery mode), and every other delivery of the batch runs again *alone*, in a
+//! per-delivery mode) when its handler was the first to run in the transaction; every
+//! other delivery of the batch — the failing one too when a handler ran before it, as a
+//! failed statement another handler swallowed fails the next one — runs again *alone*, in a
 //! transaction of its own, exactly as [`PgTransactionalLayer`] runs it. A commit whose
 //! answer is lost is run again alone too: a delivery whose batch did commit then finds its
 //! key `SUCCESS` and answers duplicate. Isolation is paid for only when something fails,
@@ -57,8 +62,10 @@
 //!   breaks the tie (after `deadlock_timeout`, 1 s by default) by failing one batch, whose
 //!   deliveries then run alone. Keep such rows out of per-message handlers (a set handler
 //!   that updates them in key order), or use one lane.
-//! - A handler that never returns holds its whole batch: put a `tower` timeout in front of
-//!   the stack, or inside, around the handler.
+//! - A handler that never returns holds its whole batch. Per-delivery handlers: put a
+//!   `tower` timeout in front of the stack, or inside, around the handler. A set handler runs
+//!   on the lane's own task, which no timeout in front reaches: bound its time inside it
+//!   (`tokio::time::timeout` around its statements, returning an error).
 //! - A handler that opens savepoints itself uses subtransactions: keep its savepoints times
 //!   the batch size below 64.
 //! - The lanes take their connections from the tier's pool, and a delivery that runs alone

@@ -111,6 +111,7 @@ impl<H: BatchHandler> Writer for SetWriter<H> {
         &self,
         transaction: &Arc<Checkout>,
         group: Vec<Joiner<Infallible>>,
+        first: bool,
     ) -> Written<Infallible> {
         let envelopes = group.iter().map(|joiner| joiner.envelope.clone()).collect();
         let call = self.0.handle(PgTransaction(transaction.clone()), envelopes);
@@ -118,10 +119,12 @@ impl<H: BatchHandler> Writer for SetWriter<H> {
         let (whole_batch_failed, tainted) = match answer {
             Ok(Ok(answer)) => match answer.into_outcomes(group.len()) {
                 Some(outcomes) => {
+                    // After an earlier call, a failure may be that call's doing.
+                    let own = |outcome: Outcome| (first || outcome.is_settled()).then_some(outcome);
                     let ended = group.into_iter().zip(outcomes);
                     return Written {
                         ended: ended
-                            .map(|(joiner, outcome)| Ended::of(joiner, Some(outcome)))
+                            .map(|(joiner, outcome)| Ended::of(joiner, own(outcome)))
                             .collect(),
                         tainted: false,
                     };
@@ -135,8 +138,8 @@ impl<H: BatchHandler> Writer for SetWriter<H> {
                 true,
             ),
         };
-        // Which envelope failed is unknown, unless there is only one.
-        let alone = group.len() == 1;
+        // Which envelope failed is unknown, unless there is only one (and no call before).
+        let alone = group.len() == 1 && first;
         Written {
             ended: group
                 .into_iter()

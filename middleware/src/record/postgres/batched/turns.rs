@@ -35,12 +35,18 @@ pub(super) struct Turns;
 impl Writer for Turns {
     type Turn = Turn;
 
-    async fn write(&self, transaction: &Arc<Checkout>, group: Vec<Joiner<Turn>>) -> Written<Turn> {
+    async fn write(
+        &self,
+        transaction: &Arc<Checkout>,
+        group: Vec<Joiner<Turn>>,
+        first: bool,
+    ) -> Written<Turn> {
         let mut written = Written {
             ended: Vec::with_capacity(group.len()),
             tainted: false,
         };
         let mut failed = false;
+        let mut first = first;
         for joiner in group {
             if failed {
                 written.ended.push(Ended::of(joiner, None));
@@ -55,15 +61,28 @@ impl Writer for Turns {
             };
             let Joiner { request, reply, .. } = joiner;
             if let Err(Word::Turn(turn)) = reply.send(Word::Turn(turn)) {
-                // Gone before its turn (a timeout in front, a shutdown): nothing of it ran.
+                // Gone before its turn (a timeout in front, a shutdown): its key is claimed but
+                // its handler never ran, so the batch must not commit. Nobody waits for its
+                // last word.
                 drop(turn);
+                let (nobody, _) = oneshot::channel();
+                written.ended.push(Ended {
+                    request,
+                    reply: nobody,
+                    outcome: None,
+                });
+                failed = true;
                 continue;
             }
             // Dropped or panicked mid-handler (`Err`): a statement of its may still be running,
             // and nobody waits for its answer.
-            let outcome = handled.await.ok();
+            let mut outcome = handled.await.ok();
             written.tainted |= outcome.is_none();
             failed = !outcome.as_ref().is_some_and(Outcome::is_settled);
+            if failed && !first {
+                outcome = None;
+            }
+            first = false;
             written.ended.push(Ended {
                 request,
                 reply: last_word,
