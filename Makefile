@@ -23,7 +23,8 @@ CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --
 	--handler-faults 2 --poison 2 --time-limit-s 300
 
 ## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks, the
-## README's first consumer (as the README runs it) and the short chaos runs (RabbitMQ, then RocketMQ).
+## README's first consumer (as the README runs it) and the short chaos runs (RabbitMQ with the record
+## per delivery and batched, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
@@ -33,6 +34,7 @@ test: fmt lint doc services
 	$(CARGO) run -q -p first-consumer | tee /dev/stderr | tr -s ' ' | \
 	  grep -c -e '^drained' -e '^ processed 100$$' -e '^ duplicates 30 ' -e '^ dead letters 1 (bad_body 1)$$' | grep -qx 4; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
+	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --stack batched; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT_ROCKETMQ); \
 	awk '/^test result:/ { passed += $$4; failed += $$6 } \
 	     END { printf "tests: %d passed, %d failed\n", passed, failed }' "$$log"
@@ -61,8 +63,8 @@ bench: services
 ## The fault-injection ledger run: 50,000 messages over 10,000 keys and 5 poison messages
 ## through four consumers in two processes while consumers are killed, Redis restarted and
 ## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
-## swallows a failed statement on 0.5 % of calls each; then the same through the red-packet
-## shape (the flag with the record behind it, the record, no lock); then with the Redis flag
+## swallows a failed statement on 0.5 % of calls each; then the same with the record batched;
+## then the same through the red-packet shape (the flag with the record behind it, the record, no lock); then with the Redis flag
 ## alone; then 10,000 messages over 2,000 keys through RocketMQ on the rocketmq-points stack,
 ## with the broker restarted instead of connections dropped. Each report says how long the
 ## consumers took to drain after the last consumer kill. Fails if a full stack misses,
@@ -71,6 +73,7 @@ bench: services
 chaos: services
 	$(CARGO) build --release -p integration-tests --bins
 	$(TARGET_DIR)/release/chaos
+	$(TARGET_DIR)/release/chaos --stack batched
 	$(TARGET_DIR)/release/chaos --stack flag-record
 	$(TARGET_DIR)/release/chaos --stack flag-only --report-only
 	$(TARGET_DIR)/release/chaos --broker rocketmq

@@ -123,7 +123,8 @@ pub fn orders_route(
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
-/// The stock-deduction route at broker speed: the Redis flag with the record behind it, the
+/// The stock-deduction route at broker speed: the Redis flag with the record behind it (lease
+/// [`FLAG_RECORD_LEASE`]), the
 /// Redis lock on the body's `/sku` and the PostgreSQL record, batched, to the handler
 /// inserting one `stock_moves` row per order in the batch's transaction.
 pub fn batched_orders_route(
@@ -133,7 +134,11 @@ pub fn batched_orders_route(
     prefix: &str,
 ) -> Route<impl crate::RouteStack<Infallible> + use<>> {
     let stack = ServiceBuilder::new()
-        .layer(orders_flag(redis.clone(), prefix).with_record_behind())
+        .layer(
+            orders_flag(redis.clone(), prefix)
+                .with_lease(FLAG_RECORD_LEASE)
+                .with_record_behind(),
+        )
         .layer(orders_lock(redis, prefix))
         .service(
             PgTransactionalLayer::new(pool, records)
@@ -153,7 +158,7 @@ fn orders_lock(redis: ConnectionManager, prefix: &str) -> LockLayer<RedisLockSto
     .with_busy_delay(Duration::from_millis(100))
 }
 
-/// The lease of [`flag_record_orders_route`]'s flag: long, so that a recovery that waited
+/// The lease of [`flag_record_orders_route`]'s and [`batched_orders_route`]'s flag: long, so that a recovery that waited
 /// for it would be plain to see.
 pub const FLAG_RECORD_LEASE: Duration = Duration::from_secs(60);
 

@@ -310,22 +310,35 @@ async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twi
 /// the flag's whole lease (a minute here), yet the restarted consumer handles them at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_killed_mid_run_recovers_without_waiting_out_the_flag_lease() {
+    killed_mid_run_then_drained("flag-record", "sigkill-recovery").await;
+}
+
+/// The full stack with the record batched, SIGKILLed with batches open: what the dead
+/// process's open transactions held is rolled back with its connections, and the restarted
+/// consumer applies every order once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batched_consumer_killed_mid_batch_applies_every_order_once() {
+    killed_mid_run_then_drained("batched", "sigkill-batched").await;
+}
+
+/// Runs an `amqp_consumer` of `stack` over 1,500 orders with copies, SIGKILLs it a third of
+/// the way, restarts it in drain mode and checks what it reports and what it applied.
+async fn killed_mid_run_then_drained(stack: &str, name: &str) {
     const ORDERS: usize = 1_500;
-    let fixture = OrdersFixture::new("sigkill-recovery").await;
+    let fixture = OrdersFixture::new(name).await;
     let producer = Producer::new(connect().await.unwrap());
     let published = publish_with_duplicates(&producer, fixture.topology.queue(), ORDERS).await;
 
-    let at_kill = fixture.kill_mid_run(&["flag-record"], ORDERS).await;
+    let at_kill = fixture.kill_mid_run(&[stack], ORDERS).await;
 
     let restarted = Instant::now();
-    let restarted_consumer =
-        fixture.consumer_process(&["flag-record", "oncely-amqp-consumer", "--drain-ms", "1000"]);
+    let restarted_consumer = fixture.consumer_process(&[stack, "oncely-amqp-consumer", "--drain-ms", "1000"]);
     let drained = tokio::task::spawn_blocking(move || restarted_consumer.wait_for_output())
         .await
         .unwrap();
     let time_to_drain = restarted.elapsed();
     println!(
-        "{at_kill} of {ORDERS} orders ({published} messages) applied at the kill; drained \
+        "{stack}: {at_kill} of {ORDERS} orders ({published} messages) applied at the kill; drained \
          {time_to_drain:.1?} after the restart (flag lease {FLAG_RECORD_LEASE:?}):\n{drained}"
     );
     assert_eq!(
