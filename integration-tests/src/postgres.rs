@@ -7,7 +7,7 @@ use deadpool_postgres::tokio_postgres::config::Host;
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use oncely::postgres::Table;
-use oncely::record::{PgTransaction, PgTransactionalLayer, TransactionSafe};
+use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer, TransactionSafe};
 use oncely::{BoxError, BusinessKey, Envelope, HandlerError, Outcome};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -145,13 +145,36 @@ pub async fn insert_stock_move(envelope: &Envelope) -> Result<(), HandlerError> 
 }
 
 /// The same effect as a typed handler, for `PgTransactionalLayer::handler`.
+/// The statement is prepared once per connection: a statement given as text costs a round
+/// trip to prepare it each time, which adds up in a batch, whose handlers run one by one.
 pub async fn stock_move(tx: PgTransaction, order: BusinessKey) -> Result<(), HandlerError> {
-    tx.execute(
-        "INSERT INTO stock_moves (order_id) VALUES ($1)",
-        &[&order.as_str()],
-    )
-    .await?;
+    let insert = tx
+        .prepare_cached("INSERT INTO stock_moves (order_id) VALUES ($1)")
+        .await?;
+    tx.execute(&insert, &[&order.as_str()]).await?;
     Ok(())
+}
+
+/// The same effect as a batch handler, for `PgBatchedLayer::batch_handler`: one `INSERT`
+/// for the stock moves of the whole batch.
+pub async fn stock_moves(tx: PgTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {
+    let orders: Vec<&str> = batch.iter().map(|envelope| envelope.key().as_str()).collect();
+    let insert = tx
+        .prepare_cached("INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])")
+        .await?;
+    tx.execute(&insert, &[&orders]).await?;
+    Ok(BatchAnswer::processed())
+}
+
+/// The test's schema with a `stock_moves` table (one row per order at most), and a pool of
+/// `size` connections that search it first.
+pub async fn stock_schema(size: usize) -> (ScratchSchema, Pool) {
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE)")
+        .await;
+    let pool = schema_pool(schema.name(), size);
+    (schema, pool)
 }
 
 /// How a test runs the transactional record: one transaction per delivery, or batched.

@@ -6,9 +6,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use integration_tests::postgres::{
-    BoxedStack, CommitAnswerThief, RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool,
+    BoxedStack, CommitAnswerThief, RecordMode, ScratchSchema, insert_stock_move, schema_pool, stock_schema,
 };
 use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer};
 use oncely::{
@@ -27,17 +26,6 @@ fn order(id: &str) -> Delivery {
 
 fn orders(count: usize) -> Vec<Delivery> {
     (0..count).map(|i| order(&format!("o-{i}"))).collect()
-}
-
-/// The test's schema with a `stock_moves` table (one row per order at most), and a pool of
-/// `size` connections that search it first.
-async fn stock_schema(size: usize) -> (ScratchSchema, Pool) {
-    let schema = ScratchSchema::new(&pool(2)).await;
-    schema
-        .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE)")
-        .await;
-    let pool = schema_pool(schema.name(), size);
-    (schema, pool)
 }
 
 fn route(stack: BoxedStack) -> Route<BoxedStack> {

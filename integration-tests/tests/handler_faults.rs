@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use integration_tests::postgres::{
-    BoxedStack, RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool,
+    BoxedStack, RecordMode, ScratchSchema, insert_stock_move, pool, stock_schema,
 };
 use oncely::record::PgTransaction;
 use oncely::{
@@ -24,17 +24,6 @@ fn order(id: &str) -> Delivery {
         Source::new("orders"),
         format!(r#"{{"orderId":"{id}","sku":"sku-1"}}"#),
     )
-}
-
-/// The test's schema with a `stock_moves` table (one row per order at most), and a pool of
-/// `size` connections that search it first.
-async fn stock_schema(size: usize) -> (ScratchSchema, Pool) {
-    let schema = ScratchSchema::new(&pool(2)).await;
-    schema
-        .execute("CREATE TABLE stock_moves (id BIGSERIAL PRIMARY KEY, order_id TEXT NOT NULL UNIQUE)")
-        .await;
-    let pool = schema_pool(schema.name(), size);
-    (schema, pool)
 }
 
 async fn status_of(schema: &ScratchSchema, key: &str) -> Option<String> {
@@ -224,7 +213,12 @@ async fn a_panic_or_a_timeout_mid_transaction_commits_nothing_and_poisons_no_con
                 0,
                 "{fault:?}: half an effect committed"
             );
-            assert_eq!(status_of(&schema, "o-cut").await, None, "{fault:?}");
+            // No record, or the failed attempt noted (the batched mode catches a panic itself).
+            let status = status_of(&schema, "o-cut").await;
+            assert!(
+                matches!(status.as_deref(), None | Some("FAILURE")),
+                "{mode:?} {fault:?}: {status:?}"
+            );
 
             // The abandoned delivery's retry is new work, not a duplicate, and is not blocked.
             assert_eq!(

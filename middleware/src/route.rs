@@ -216,20 +216,23 @@ where
         match answer {
             Ok(Ok(outcome)) => outcome,
             Ok(Err(error)) => failed(error),
-            Err(panic) => {
-                let message = panic_message(panic.as_ref());
-                tracing::error!(
-                    panic = message,
-                    "the stack panicked; the delivery will be retried"
-                );
-                Outcome::retry_later(RetryReason::HandlerPanicked, format!("panicked: {message}"), None)
-            }
+            Err(panic) => panicked(panic.as_ref()),
         }
     }
 }
 
+/// The answer to a stack (or a batch's handler) that panicked with `panic`: a retry, logged.
+pub(crate) fn panicked(panic: &(dyn Any + Send)) -> Outcome {
+    let message = panic_message(panic);
+    tracing::error!(
+        panic = message,
+        "the stack panicked; the delivery will be retried"
+    );
+    Outcome::retry_later(RetryReason::HandlerPanicked, format!("panicked: {message}"), None)
+}
+
 /// The text a panic was raised with, when it has one.
-pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> &str {
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()

@@ -26,7 +26,7 @@ pub use decision::{Enter, FailurePolicy, TierDecision};
 pub(crate) use decision::{in_flight, payload_mismatch};
 pub use service::{BoxFuture, TierService};
 #[cfg(feature = "postgres")]
-pub(crate) use service::{behind, decide, store_unavailable};
+pub(crate) use service::{behind, decide, store_unavailable, take_readied};
 
 /// A tier of the stack, named in outcomes, errors, metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -72,10 +72,7 @@ where
     }
 
     fn call(&mut self, envelope: Envelope) -> Self::Future {
-        // `poll_ready` reserved capacity in `inner` (a concurrency limit, a buffer slot); a
-        // clone may not have it, so the readied one goes with the call, as tower recommends.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = take_readied(&mut self.inner);
         let decision = self.decision.clone();
         Box::pin(async move {
             let probe = Probe::enter(&envelope, D::TIER);
@@ -84,6 +81,14 @@ where
             Ok(outcome)
         })
     }
+}
+
+/// The service to call: `poll_ready` reserved capacity in `inner` (a concurrency limit, a
+/// buffer slot), which a clone may not have, so the readied one goes with the call and a
+/// clone takes its place, as tower recommends.
+pub(crate) fn take_readied<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
 }
 
 /// One envelope through `decision` and the tiers behind.

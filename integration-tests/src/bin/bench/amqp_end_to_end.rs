@@ -13,7 +13,7 @@ use deadpool_postgres::Pool;
 use futures_lite::StreamExt;
 use integration_tests::RouteStack;
 use integration_tests::amqp::{connect, ready_messages, scratch_topology};
-use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool};
+use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool, stock_moves};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{redis_connection, unique};
 use lapin::Channel;
@@ -278,14 +278,10 @@ fn counted_stock_moves(
     move |tx: PgTransaction, batch: Vec<Envelope>| {
         let handled = handled.clone();
         Box::pin(async move {
-            let orders: Vec<String> = batch.iter().map(|envelope| envelope.key().to_string()).collect();
-            tx.execute(
-                "INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])",
-                &[&orders],
-            )
-            .await?;
-            handled.fetch_add(batch.len() as u64, Ordering::Relaxed);
-            Ok(BatchAnswer::processed())
+            let count = batch.len() as u64;
+            let answer = stock_moves(tx, batch).await?;
+            handled.fetch_add(count, Ordering::Relaxed);
+            Ok(answer)
         })
     }
 }

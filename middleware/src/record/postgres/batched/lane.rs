@@ -28,36 +28,39 @@ pub(super) struct Limits {
     pub(super) lanes: usize,
 }
 
-/// One delivery waiting to join a batch.
-pub(super) struct Joiner<T> {
+/// One delivery waiting to join a batch, with what its batch's [`Writer`] needs of it
+/// besides its envelope (`W`: its handler's run, for per-delivery handlers).
+pub(super) struct Joiner<W> {
     pub(super) request: ClaimRequest,
     pub(super) envelope: Envelope,
-    pub(super) reply: oneshot::Sender<Word<T>>,
+    pub(super) work: W,
+    pub(super) reply: oneshot::Sender<Word>,
 }
 
 /// What a lane tells a delivery.
-pub(super) enum Word<T> {
-    /// The delivery's answer: the batch committed (or it never joined one).
+pub(super) enum Word {
+    /// Its handler ran in the batch and answered this: the batch committed, or the failure
+    /// is its own and nothing of the batch was committed.
+    Ran(Outcome),
+    /// Its answer without its handler running: a duplicate, a conflict, a failed store.
     Answer(Outcome),
     /// Run again alone, in a transaction of its own: its batch was rolled back through no
-    /// fault of its handler.
+    /// fault of its handler (or of one it cannot be told apart from).
     Alone,
-    /// Its handler's turn in the batch's transaction (per-delivery handlers only).
-    Turn(T),
 }
 
 /// How one claimed delivery's handler ended in a batch.
-pub(super) struct Ended<T> {
+pub(super) struct Ended {
     pub(super) request: ClaimRequest,
     /// Where its last word goes.
-    pub(super) reply: oneshot::Sender<Word<T>>,
+    pub(super) reply: oneshot::Sender<Word>,
     /// What its handler answered; `None`: it did not run, or not alone (a set handler that
     /// failed as a whole), so its effect was not tried on its own.
     pub(super) outcome: Option<Outcome>,
 }
 
-impl<T> Ended<T> {
-    pub(super) fn of(joiner: Joiner<T>, outcome: Option<Outcome>) -> Self {
+impl Ended {
+    pub(super) fn of<W>(joiner: Joiner<W>, outcome: Option<Outcome>) -> Self {
         Ended {
             request: joiner.request,
             reply: joiner.reply,
@@ -72,8 +75,8 @@ impl<T> Ended<T> {
 }
 
 /// What a batch's handlers did.
-pub(super) struct Written<T> {
-    pub(super) ended: Vec<Ended<T>>,
+pub(super) struct Written {
+    pub(super) ended: Vec<Ended>,
     /// A handler may have left a statement running on the connection (its future was
     /// dropped or panicked mid-statement): the connection is closed rather than rolled back,
     /// which also cancels the statement.
@@ -83,8 +86,9 @@ pub(super) struct Written<T> {
 /// How a batch's effects are written: the per-delivery handlers one after another, each on
 /// its own delivery's task, or a set handler once for all.
 pub(super) trait Writer: Send + Sync + 'static {
-    /// What a delivery is handed when its handler may run (nothing, for a set handler).
-    type Turn: Send + 'static;
+    /// What a delivery brings to its batch besides its envelope: its handler's run (nothing,
+    /// for a set handler).
+    type Work: Send + 'static;
 
     /// Runs the handlers of `group`, whose keys the batch's transaction has just claimed.
     /// `first`: no handler ran in the transaction before this group. A failure a handler
@@ -94,9 +98,9 @@ pub(super) trait Writer: Send + Sync + 'static {
     fn write(
         &self,
         transaction: &Arc<Checkout>,
-        group: Vec<Joiner<Self::Turn>>,
+        group: Vec<Joiner<Self::Work>>,
         first: bool,
-    ) -> impl Future<Output = Written<Self::Turn>> + Send;
+    ) -> impl Future<Output = Written> + Send;
 }
 
 /// The lanes of one layer, shared by its services' clones. They start on the Tokio runtime
@@ -105,7 +109,7 @@ pub(super) struct Lanes<W: Writer> {
     record: PgTransactionalLayer,
     writer: W,
     limits: Limits,
-    queue: OnceLock<mpsc::Sender<Joiner<W::Turn>>>,
+    queue: OnceLock<mpsc::Sender<Joiner<W::Work>>>,
 }
 
 impl<W: Writer + Clone> Lanes<W> {
@@ -128,7 +132,7 @@ impl<W: Writer + Clone> Lanes<W> {
         &self.writer
     }
 
-    fn queue(&self) -> &mpsc::Sender<Joiner<W::Turn>> {
+    fn queue(&self) -> &mpsc::Sender<Joiner<W::Work>> {
         self.queue.get_or_init(|| {
             // Room for a batch per lane: beyond that, deliveries wait to join, which bounds
             // memory under overload.
@@ -146,12 +150,13 @@ impl<W: Writer + Clone> Lanes<W> {
         })
     }
 
-    /// Puts `envelope` into the next batch; answers the lane's first word for it.
-    pub(super) async fn join(&self, envelope: &Envelope) -> Word<W::Turn> {
+    /// Puts `envelope`, with `work`, into the next batch; answers the lane's word for it.
+    pub(super) async fn join(&self, envelope: &Envelope, work: W::Work) -> Word {
         let (reply, word) = oneshot::channel();
         let joiner = Joiner {
             request: claim_request(envelope),
             envelope: envelope.clone(),
+            work,
             reply,
         };
         let stopped = || {
@@ -175,7 +180,7 @@ struct Lane<W: Writer> {
     limits: Limits,
     /// Idle lanes wait here for the first delivery of their next batch; a busy lane only
     /// takes what is already waiting.
-    receiver: Mutex<mpsc::Receiver<Joiner<W::Turn>>>,
+    receiver: Mutex<mpsc::Receiver<Joiner<W::Work>>>,
 }
 
 /// How a batch's transaction ends.
@@ -228,7 +233,7 @@ impl<W: Writer> Lane<W> {
     /// and sends the deliveries whose handlers did not fail to run alone. Returns the
     /// deliveries whose key this batch already had, for the next one: a statement cannot
     /// claim a key twice, and the copy must see what the first copy's commit left.
-    async fn batch(&self, intake: Vec<Joiner<W::Turn>>) -> Vec<Joiner<W::Turn>> {
+    async fn batch(&self, intake: Vec<Joiner<W::Work>>) -> Vec<Joiner<W::Work>> {
         let opened = Instant::now();
         let mut keys = HashSet::new();
         let (fresh, mut later) = distinct(intake, &mut keys);
@@ -301,7 +306,7 @@ impl<W: Writer> Lane<W> {
     /// Answers the deliveries the claim did not give the key to (duplicates, conflicts,
     /// fenced, in flight elsewhere) at once: what decided it was committed by others. Returns
     /// the claimed ones.
-    fn admit(&self, fresh: Vec<Joiner<W::Turn>>, answers: Vec<Begin>) -> Vec<Joiner<W::Turn>> {
+    fn admit(&self, fresh: Vec<Joiner<W::Work>>, answers: Vec<Begin>) -> Vec<Joiner<W::Work>> {
         let mut claimed = Vec::with_capacity(fresh.len());
         for (joiner, begin) in fresh.into_iter().zip(answers) {
             let request = &joiner.request;
@@ -320,7 +325,7 @@ impl<W: Writer> Lane<W> {
         &self,
         transaction: Arc<Checkout>,
         xid: Option<i64>,
-        mut ended: Vec<Ended<W::Turn>>,
+        mut ended: Vec<Ended>,
         ending: Ending,
     ) {
         let committed = match (ending, xid) {
@@ -358,7 +363,7 @@ impl<W: Writer> Lane<W> {
         for ended in ended {
             match ended.outcome {
                 Some(outcome) if committed => {
-                    let _ = ended.reply.send(Word::Answer(outcome));
+                    let _ = ended.reply.send(Word::Ran(outcome));
                 }
                 Some(outcome) if !outcome.is_settled() => {
                     failures.push((ended.request, ended.reply, outcome))
@@ -370,13 +375,13 @@ impl<W: Writer> Lane<W> {
         }
         for (request, reply, outcome) in failures {
             self.record.note_failure(&request, &outcome.to_string()).await;
-            let _ = reply.send(Word::Answer(outcome));
+            let _ = reply.send(Word::Ran(outcome));
         }
     }
 }
 
 /// Moves up to `room` waiting deliveries into `intake`, without waiting for more.
-fn take_waiting<T>(receiver: &mut mpsc::Receiver<Joiner<T>>, intake: &mut Vec<Joiner<T>>, room: usize) {
+fn take_waiting<W>(receiver: &mut mpsc::Receiver<Joiner<W>>, intake: &mut Vec<Joiner<W>>, room: usize) {
     while intake.len() < room {
         match receiver.try_recv() {
             Ok(joiner) => intake.push(joiner),
@@ -387,7 +392,7 @@ fn take_waiting<T>(receiver: &mut mpsc::Receiver<Joiner<T>>, intake: &mut Vec<Jo
 
 /// Splits `intake` into deliveries of keys new to the batch (`keys`), sorted by key so that
 /// concurrent batches lock their keys' rows in one order, and copies of keys it already has.
-fn distinct<T>(intake: Vec<Joiner<T>>, keys: &mut HashSet<BusinessKey>) -> (Vec<Joiner<T>>, Vec<Joiner<T>>) {
+fn distinct<W>(intake: Vec<Joiner<W>>, keys: &mut HashSet<BusinessKey>) -> (Vec<Joiner<W>>, Vec<Joiner<W>>) {
     let (mut fresh, copies): (Vec<_>, Vec<_>) = intake
         .into_iter()
         .partition(|joiner| keys.insert(joiner.request.key.clone()));
@@ -395,7 +400,7 @@ fn distinct<T>(intake: Vec<Joiner<T>>, keys: &mut HashSet<BusinessKey>) -> (Vec<
     (fresh, copies)
 }
 
-fn answer_all<T>(joiners: Vec<Joiner<T>>, outcome: &Outcome) {
+fn answer_all<W>(joiners: Vec<Joiner<W>>, outcome: &Outcome) {
     for joiner in joiners {
         let _ = joiner.reply.send(Word::Answer(outcome.clone()));
     }

@@ -92,14 +92,14 @@ use crate::record::postgres::PgTransaction;
 
 impl PgTransactionalLayer {
     /// The batched mode of this tier (same pool, table and in-flight delay): see
-    /// [`PgBatchedLayer`]. Defaults: batches of at most 64 deliveries, taking in joiners
-    /// for at most 10 ms, 2 lanes.
+    /// [`PgBatchedLayer`]. Defaults: 4 lanes, batches of at most 16 deliveries, taking in
+    /// joiners for at most 10 ms.
     pub fn batched(&self) -> PgBatchedLayer {
         PgBatchedLayer {
             record: self.clone(),
-            max_batch: 64,
+            max_batch: 16,
             max_linger: Duration::from_millis(10),
-            lanes: 2,
+            lanes: 4,
         }
     }
 }
@@ -149,8 +149,10 @@ impl PgBatchedLayer {
         self
     }
 
-    /// How many batches run at once, each on its own pooled connection (at least 1). Two
-    /// keep the database busy while a batch waits for its commit's flush.
+    /// How many batches run at once, each on its own pooled connection (at least 1). A
+    /// connection runs its batch's statements one after another, a round trip each, so lanes
+    /// side by side keep the database busy: on the 2-core development machine, 64 deliveries
+    /// in flight ran 14,400/s through 4 lanes of at most 16 and 11,000/s through 2 of 64.
     pub fn with_lanes(mut self, lanes: usize) -> Self {
         self.lanes = lanes.max(1);
         self

@@ -15,9 +15,9 @@ use super::lane::{Ended, Joiner, Lanes, Limits, Word, Writer, Written};
 use crate::backend::postgres::Checkout;
 use crate::envelope::Envelope;
 use crate::handler::{Argument, HandlerError, InTransaction};
-use crate::outcome::{Outcome, RetryReason};
+use crate::outcome::Outcome;
 use crate::record::postgres::PgTransaction;
-use crate::route::panic_message;
+use crate::route::panicked;
 use crate::telemetry::Probe;
 use crate::tier::{BoxFuture, Tier, decide};
 
@@ -105,14 +105,9 @@ impl<H> Clone for SetWriter<H> {
 }
 
 impl<H: BatchHandler> Writer for SetWriter<H> {
-    type Turn = Infallible;
+    type Work = ();
 
-    async fn write(
-        &self,
-        transaction: &Arc<Checkout>,
-        group: Vec<Joiner<Infallible>>,
-        first: bool,
-    ) -> Written<Infallible> {
+    async fn write(&self, transaction: &Arc<Checkout>, group: Vec<Joiner<()>>, first: bool) -> Written {
         let envelopes = group.iter().map(|joiner| joiner.envelope.clone()).collect();
         let call = self.0.handle(PgTransaction(transaction.clone()), envelopes);
         let answer = AssertUnwindSafe(call).catch_unwind().await;
@@ -133,10 +128,7 @@ impl<H: BatchHandler> Writer for SetWriter<H> {
             },
             Ok(Err(error)) => (error.into_outcome(), false),
             // Its statements may still be running: the connection is closed.
-            Err(panic) => (
-                Outcome::retry_later(RetryReason::HandlerPanicked, panic_message(panic.as_ref()), None),
-                true,
-            ),
+            Err(panic) => (panicked(panic.as_ref()), true),
         };
         // Which envelope failed is unknown, unless there is only one (and no call before).
         let alone = group.len() == 1 && first;
@@ -195,13 +187,16 @@ impl<H: BatchHandler> Service<Envelope> for PgBatchHandlerService<H> {
         let lanes = self.lanes.clone();
         Box::pin(async move {
             let probe = Probe::enter(&envelope, Tier::Record);
-            let outcome = match lanes.join(&envelope).await {
+            let outcome = match lanes.join(&envelope, ()).await {
+                Word::Ran(outcome) => {
+                    probe.passed();
+                    outcome
+                }
                 Word::Answer(outcome) => outcome,
                 Word::Alone => {
                     let one_by_one = OneByOne(lanes.writer().0.clone());
                     decide(lanes.record(), one_by_one, envelope, &probe).await
                 }
-                Word::Turn(never) => match never {},
             };
             probe.answered(&outcome);
             Ok(outcome)

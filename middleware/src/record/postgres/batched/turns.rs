@@ -1,10 +1,11 @@
 //! The batched mode with per-delivery handlers: each delivery's handler runs on its own task,
 //! in turn, inside the batch's transaction.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use tokio::sync::oneshot;
+use futures_util::FutureExt;
 use tower_service::Service;
 
 use super::lane::{Ended, Joiner, Lanes, Word, Writer, Written};
@@ -13,34 +14,31 @@ use crate::envelope::Envelope;
 use crate::error::BoxError;
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::postgres::PgTransaction;
+use crate::route::panicked;
 use crate::telemetry::Probe;
-use crate::tier::{BoxFuture, Tier, behind, decide};
+use crate::tier::{BoxFuture, Tier, behind, decide, take_readied};
 
-/// What a delivery is handed when its handler may run in the batch's transaction.
-pub(super) struct Turn {
-    transaction: PgTransaction,
-    /// Where the handler's outcome goes; dropped unsent when the delivery's future is.
-    done: oneshot::Sender<Outcome>,
-    /// The lane's last word, once the batch ended.
-    then: oneshot::Receiver<Word<Turn>>,
-}
+/// One delivery's handler, ready to run in the batch's transaction.
+pub(super) type HandlerRun = Box<dyn FnOnce(PgTransaction) -> BoxFuture<Outcome> + Send>;
 
-/// Runs the group's handlers one after another, each in its delivery's own task, and stops
-/// at the first that fails: the batch is rolled back then, and the rest never ran. One at
-/// a time, each handler sees its predecessors' writes, as it would after their commits:
-/// read-modify-write handlers stay correct.
+/// Runs the group's handlers one after another, on the lane's own task (no hand-over
+/// between tasks per delivery), and stops at the first that fails: the batch is rolled back
+/// then, and the rest never ran. One at a time, each handler sees its predecessors' writes,
+/// as it would after their commits: read-modify-write handlers stay correct. A delivery
+/// whose future goes away (a timeout in front, a shutdown) while its handler runs cuts the
+/// handler off there, as on its own task.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Turns;
 
 impl Writer for Turns {
-    type Turn = Turn;
+    type Work = HandlerRun;
 
     async fn write(
         &self,
         transaction: &Arc<Checkout>,
-        group: Vec<Joiner<Turn>>,
+        group: Vec<Joiner<HandlerRun>>,
         first: bool,
-    ) -> Written<Turn> {
+    ) -> Written {
         let mut written = Written {
             ended: Vec::with_capacity(group.len()),
             tainted: false,
@@ -48,36 +46,36 @@ impl Writer for Turns {
         let mut failed = false;
         let mut first = first;
         for joiner in group {
+            let Joiner {
+                request,
+                work,
+                mut reply,
+                ..
+            } = joiner;
+            // Gone before its turn: its key is claimed but its handler never ran, so the
+            // batch must not commit.
+            failed |= reply.is_closed();
             if failed {
-                written.ended.push(Ended::of(joiner, None));
-                continue;
-            }
-            let (done, handled) = oneshot::channel();
-            let (last_word, then) = oneshot::channel();
-            let turn = Turn {
-                transaction: PgTransaction(transaction.clone()),
-                done,
-                then,
-            };
-            let Joiner { request, reply, .. } = joiner;
-            if let Err(Word::Turn(turn)) = reply.send(Word::Turn(turn)) {
-                // Gone before its turn (a timeout in front, a shutdown): its key is claimed but
-                // its handler never ran, so the batch must not commit. Nobody waits for its
-                // last word.
-                drop(turn);
-                let (nobody, _) = oneshot::channel();
                 written.ended.push(Ended {
                     request,
-                    reply: nobody,
+                    reply,
                     outcome: None,
                 });
-                failed = true;
                 continue;
             }
-            // Dropped or panicked mid-handler (`Err`): a statement of its may still be running,
-            // and nobody waits for its answer.
-            let mut outcome = handled.await.ok();
-            written.tainted |= outcome.is_none();
+            let run = AssertUnwindSafe(work(PgTransaction(transaction.clone()))).catch_unwind();
+            // A panic or a cut-off handler may leave a statement running: the connection is
+            // closed, not rolled back.
+            let mut outcome = tokio::select! {
+                ran = run => {
+                    written.tainted |= ran.is_err();
+                    Some(ran.unwrap_or_else(|panic| panicked(panic.as_ref())))
+                }
+                () = reply.closed() => {
+                    written.tainted = true;
+                    None
+                }
+            };
             failed = !outcome.as_ref().is_some_and(Outcome::is_settled);
             if failed && !first {
                 outcome = None;
@@ -85,7 +83,7 @@ impl Writer for Turns {
             first = false;
             written.ended.push(Ended {
                 request,
-                reply: last_word,
+                reply,
                 outcome,
             });
         }
@@ -141,9 +139,7 @@ where
     }
 
     fn call(&mut self, envelope: Envelope) -> Self::Future {
-        // The readied service goes with the call, as in every tier.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let inner = take_readied(&mut self.inner);
         let lanes = self.lanes.clone();
         Box::pin(async move {
             let probe = Probe::enter(&envelope, Tier::Record);
@@ -154,58 +150,38 @@ where
     }
 }
 
-/// One delivery's part in a batch: join, run its handler when its turn comes, answer the
-/// batch's verdict — or run again alone if the batch was rolled back for another's failure.
+/// One delivery's part in a batch: join with its handler's run, answer the batch's verdict
+/// — or run again alone if the batch was rolled back for another's failure.
 async fn take_part<S>(lanes: &Lanes<Turns>, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
 where
-    S: Service<Envelope, Response = Outcome> + Clone,
+    S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    S::Future: Send,
     S::Error: Into<BoxError>,
 {
     let template = inner.clone();
-    let mut readied = Some(inner);
-    let mut word = lanes.join(&envelope).await;
-    loop {
-        match word {
-            Word::Answer(outcome) => return outcome,
-            Word::Alone => {
-                let service = match readied.take() {
-                    Some(service) => Ok(service),
-                    None => ready(template.clone()).await,
-                };
-                return match service {
-                    Ok(service) => decide(lanes.record(), service, envelope, probe).await,
-                    Err(outcome) => outcome,
-                };
-            }
-            Word::Turn(turn) => {
-                probe.passed();
-                let service = match readied.take() {
-                    Some(service) => Ok(service),
-                    None => ready(template.clone()).await,
-                };
-                let outcome = match service {
-                    Ok(service) => {
-                        let mut in_turn = envelope.clone();
-                        in_turn.extensions_mut().insert(turn.transaction);
-                        behind(service, in_turn).await
-                    }
-                    Err(outcome) => outcome,
-                };
-                let _ = turn.done.send(outcome);
-                word = turn.then.await.unwrap_or_else(|_| {
-                    Word::Answer(Outcome::retry_later(
-                        RetryReason::StoreUnavailable(Tier::Record),
-                        "the batch's lane stopped before its commit was known",
-                        None,
-                    ))
-                });
-            }
+    let in_batch = envelope.clone();
+    let run: HandlerRun = Box::new(move |transaction| {
+        Box::pin(async move {
+            let mut envelope = in_batch;
+            envelope.extensions_mut().insert(transaction);
+            behind(inner, envelope).await
+        })
+    });
+    match lanes.join(&envelope, run).await {
+        Word::Ran(outcome) => {
+            probe.passed();
+            outcome
         }
+        Word::Answer(outcome) => outcome,
+        // The readied service went with the batch: a clone, readied anew.
+        Word::Alone => match ready(template).await {
+            Ok(service) => decide(lanes.record(), service, envelope, probe).await,
+            Err(outcome) => outcome,
+        },
     }
 }
 
-/// `service` once it is ready: a clone for a second handler run (alone, after its batch was
-/// rolled back) was not readied with the call.
+/// `service` once it is ready for a call.
 async fn ready<S>(mut service: S) -> Result<S, Outcome>
 where
     S: Service<Envelope>,
