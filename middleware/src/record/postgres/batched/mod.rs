@@ -1,76 +1,5 @@
-//! The batched transactional mode: many deliveries, one transaction, one commit.
-//!
-//! The per-delivery transactional record ([`PgTransactionalLayer`]) pays a transaction per
-//! message: `BEGIN` and the claim, the handler's statements, `COMMIT` and its flush to disk.
-//! [`PgBatchedLayer`] lets the deliveries in flight at the same moment share one:
-//!
-//! 1. A delivery joins a *lane* (a few run at once, each with its own connection). An idle
-//!    lane opens a transaction for it at once, together with every delivery already waiting
-//!    (group commit, as PostgreSQL does for WAL flushes: a lone delivery never waits for a
-//!    timer).
-//! 2. One multi-row claim decides the whole group: new or `FAILURE` keys are claimed;
-//!    duplicates, payload conflicts, fenced and in-flight keys are answered at once (what
-//!    decided them is committed). Two copies of one key never share a batch: the second
-//!    goes to the lane's next batch, where it finds what the first one's commit left.
-//! 3. The handlers of the claimed deliveries run inside the transaction. Deliveries that
-//!    arrive meanwhile, while no other lane is idle to take them, join the open transaction
-//!    (another claim) while the batch is below its
-//!    [maximum size](PgBatchedLayer::with_max_batch) and younger than its
-//!    [maximum linger](PgBatchedLayer::with_max_linger).
-//! 4. One checked `COMMIT` (as in the per-delivery mode: it proves the transaction that
-//!    claimed the keys is the one committing, not aborted and not replaced). Only then is any
-//!    claimed delivery answered, so the adapters ack after the commit.
-//!
-//! # Isolation: optimistic batches
-//! One delivery's failure never fails or rolls back its neighbours' effects. Batches are
-//! optimistic: no savepoint per delivery (which costs about 40 % of the gain of batching on
-//! PostgreSQL, and past 64 subtransactions per transaction much more). When a handler
-//! fails — returns an error, panics, is cut off by a timeout, swallows a failed statement,
-//! ends the transaction itself (its `COMMIT` fails: the record table's guard trigger lets
-//! only the tier commit; after its `ROLLBACK` the session is read-only) — or a delivery
-//! goes away before its turn, or the commit fails, the whole batch is rolled back. The
-//! failing delivery answers its own failure (a retry or a dead letter, as in the
-//! per-delivery mode) when its handler was the first to run in the transaction; every
-//! other delivery of the batch — the failing one too when a handler ran before it, as a
-//! failed statement another handler swallowed fails the next one — runs again *alone*, in a
-//! transaction of its own, exactly as [`PgTransactionalLayer`] runs it. A commit whose
-//! answer is lost is run again alone too: a delivery whose batch did commit then finds its
-//! key `SUCCESS` and answers duplicate. Isolation is paid for only when something fails,
-//! with one extra transaction per neighbour, and the tier opens no subtransaction (the
-//! commit check's savepoint writes nothing, so it takes no subtransaction id).
-//!
-//! # Per-delivery handler or batch handler
-//! - [`PgBatchedLayer::handler`] (or the layer over any [`TransactionSafe`] service) keeps
-//!   the handler you have: it is called once per delivery, on that delivery's task, with
-//!   the shared transaction as its [`PgTransaction`]. The handlers of a batch run one after
-//!   another, so each sees the writes of the ones before it exactly as it would after their
-//!   commits, and read-modify-write handlers stay correct. What the batch saves is the
-//!   `BEGIN`, the claim and the `COMMIT` with its flush: the handlers' own statements still
-//!   take a round trip each.
-//! - [`PgBatchedLayer::batch_handler`] takes a [`BatchHandler`], called once per batch with
-//!   every claimed envelope, which writes all their effects in a few set-based statements
-//!   (`INSERT … SELECT … FROM unnest($1, $2)`, `UPDATE … FROM (VALUES …)`) and answers per
-//!   envelope. Use it when the effect can be written for many messages at once: it saves
-//!   the per-message round trips too. Its statements see the whole batch at once: two
-//!   envelopes touching one row must be folded together (a `GROUP BY` before an `UPDATE …
-//!   FROM`), as one `UPDATE` cannot change a row twice.
-//!
-//! # Limits
-//! - A batch holds the row locks of all its handlers' writes until its commit: deliveries
-//!   of other lanes that update the same rows (a hot product's stock) wait for the whole
-//!   batch, and two lanes that update hot rows in opposite orders deadlock until PostgreSQL
-//!   breaks the tie (after `deadlock_timeout`, 1 s by default) by failing one batch, whose
-//!   deliveries then run alone. Keep such rows out of per-message handlers (a set handler
-//!   that updates them in key order), or use one lane.
-//! - A handler that never returns holds its whole batch. Per-delivery handlers: put a
-//!   `tower` timeout in front of the stack, or inside, around the handler. A set handler runs
-//!   on the lane's own task, which no timeout in front reaches: bound its time inside it
-//!   (`tokio::time::timeout` around its statements, returning an error).
-//! - A handler that opens savepoints itself uses subtransactions: keep its savepoints times
-//!   the batch size below 64.
-//! - The lanes take their connections from the tier's pool, and a delivery that runs alone
-//!   takes another: size the pool for the lanes plus the deliveries in flight.
-
+//! The batched transactional mode: many deliveries, one transaction, one commit. Documented
+//! on [`PgBatchedLayer`].
 mod lane;
 mod set;
 mod turns;
@@ -105,8 +34,78 @@ impl PgTransactionalLayer {
 }
 
 /// The transactional record tier, batched: deliveries in flight at the same time share one
-/// transaction and one commit; see the [module docs](self) for how, and for what stays
-/// isolated.
+/// transaction and one commit.
+///
+/// The per-delivery transactional record ([`PgTransactionalLayer`]) pays a transaction per
+/// message: `BEGIN` and the claim, the handler's statements, `COMMIT` and its flush to disk.
+/// [`PgBatchedLayer`] lets the deliveries in flight at the same moment share one:
+///
+/// 1. A delivery joins a *lane* (a few run at once, each with its own connection). An idle
+///    lane opens a transaction for it at once, together with every delivery already waiting
+///    (group commit, as PostgreSQL does for WAL flushes: a lone delivery never waits for a
+///    timer).
+/// 2. One multi-row claim decides the whole group: new or `FAILURE` keys are claimed;
+///    duplicates, payload conflicts, fenced and in-flight keys are answered at once (what
+///    decided them is committed). Two copies of one key never share a batch: the second
+///    goes to the lane's next batch, where it finds what the first one's commit left.
+/// 3. The handlers of the claimed deliveries run inside the transaction. Deliveries that
+///    arrive meanwhile, while no other lane is idle to take them, join the open transaction
+///    (another claim) while the batch is below its
+///    [maximum size](PgBatchedLayer::with_max_batch) and younger than its
+///    [maximum linger](PgBatchedLayer::with_max_linger).
+/// 4. One checked `COMMIT` (as in the per-delivery mode: it proves the transaction that
+///    claimed the keys is the one committing, not aborted and not replaced). Only then is any
+///    claimed delivery answered, so the adapters ack after the commit.
+///
+/// # Isolation: optimistic batches
+/// One delivery's failure never fails or rolls back its neighbours' effects. Batches are
+/// optimistic: no savepoint per delivery (which costs about 40 % of the gain of batching on
+/// PostgreSQL, and past 64 subtransactions per transaction much more). When a handler
+/// fails — returns an error, panics, is cut off by a timeout, swallows a failed statement,
+/// ends the transaction itself (its `COMMIT` fails: the record table's guard trigger lets
+/// only the tier commit; after its `ROLLBACK` the session is read-only) — or a delivery
+/// goes away before its turn, or the commit fails, the whole batch is rolled back. The
+/// failing delivery answers its own failure (a retry or a dead letter, as in the
+/// per-delivery mode) when its handler was the first to run in the transaction; every
+/// other delivery of the batch — the failing one too when a handler ran before it, as a
+/// failed statement another handler swallowed fails the next one — runs again *alone*, in a
+/// transaction of its own, exactly as [`PgTransactionalLayer`] runs it. A commit whose
+/// answer is lost is run again alone too: a delivery whose batch did commit then finds its
+/// key `SUCCESS` and answers duplicate. Isolation is paid for only when something fails,
+/// with one extra transaction per neighbour, and the tier opens no subtransaction (the
+/// commit check's savepoint writes nothing, so it takes no subtransaction id).
+///
+/// # Per-delivery handler or batch handler
+/// - [`PgBatchedLayer::handler`] (or the layer over any [`TransactionSafe`] service) keeps
+///   the handler you have: it is called once per delivery, on that delivery's task, with
+///   the shared transaction as its [`PgTransaction`]. The handlers of a batch run one after
+///   another, so each sees the writes of the ones before it exactly as it would after their
+///   commits, and read-modify-write handlers stay correct. What the batch saves is the
+///   `BEGIN`, the claim and the `COMMIT` with its flush: the handlers' own statements still
+///   take a round trip each.
+/// - [`PgBatchedLayer::batch_handler`] takes a [`BatchHandler`], called once per batch with
+///   every claimed envelope, which writes all their effects in a few set-based statements
+///   (`INSERT … SELECT … FROM unnest($1, $2)`, `UPDATE … FROM (VALUES …)`) and answers per
+///   envelope. Use it when the effect can be written for many messages at once: it saves
+///   the per-message round trips too. Its statements see the whole batch at once: two
+///   envelopes touching one row must be folded together (a `GROUP BY` before an `UPDATE …
+///   FROM`), as one `UPDATE` cannot change a row twice.
+///
+/// # Limits
+/// - A batch holds the row locks of all its handlers' writes until its commit: deliveries
+///   of other lanes that update the same rows (a hot product's stock) wait for the whole
+///   batch, and two lanes that update hot rows in opposite orders deadlock until PostgreSQL
+///   breaks the tie (after `deadlock_timeout`, 1 s by default) by failing one batch, whose
+///   deliveries then run alone. Keep such rows out of per-message handlers (a set handler
+///   that updates them in key order), or use one lane.
+/// - A handler that never returns holds its whole batch. Per-delivery handlers: put a
+///   `tower` timeout in front of the stack, or inside, around the handler. A set handler runs
+///   on the lane's own task, which no timeout in front reaches: bound its time inside it
+///   (`tokio::time::timeout` around its statements, returning an error).
+/// - A handler that opens savepoints itself uses subtransactions: keep its savepoints times
+///   the batch size below 64.
+/// - The lanes take their connections from the tier's pool, and a delivery that runs alone
+///   takes another: size the pool for the lanes plus the deliveries in flight.
 ///
 /// Every guarantee of [`PgTransactionalLayer`] holds per delivery: the record and the
 /// handler's writes commit together, a delivery is answered only after its batch's commit,

@@ -92,7 +92,7 @@ impl Writer for Turns {
 }
 
 /// The batched transactional record with the per-delivery handlers behind it (`S`); built by
-/// [`PgBatchedLayer`](super::PgBatchedLayer). See the [module docs](super).
+/// [`PgBatchedLayer`](super::PgBatchedLayer), which says how it batches.
 pub struct PgBatchedService<S> {
     inner: S,
     lanes: Arc<Lanes<Turns>>,
