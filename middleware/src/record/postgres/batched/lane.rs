@@ -83,8 +83,8 @@ pub(super) struct Written {
     pub(super) tainted: bool,
 }
 
-/// How a batch's effects are written: the per-delivery handlers one after another, each on
-/// its own delivery's task, or a set handler once for all.
+/// How a batch's effects are written: the per-delivery handlers one after another, or a set
+/// handler once for all — on the lane's task.
 pub(super) trait Writer: Send + Sync + 'static {
     /// What a delivery brings to its batch besides its envelope: its handler's run (nothing,
     /// for a set handler).
@@ -392,9 +392,12 @@ fn take_waiting<W>(receiver: &mut mpsc::Receiver<Joiner<W>>, intake: &mut Vec<Jo
 
 /// Splits `intake` into deliveries of keys new to the batch (`keys`), sorted by key so that
 /// concurrent batches lock their keys' rows in one order, and copies of keys it already has.
+/// Deliveries whose future is already gone (a timeout in front while they queued) are left
+/// out: claimed, they would roll the batch back.
 fn distinct<W>(intake: Vec<Joiner<W>>, keys: &mut HashSet<BusinessKey>) -> (Vec<Joiner<W>>, Vec<Joiner<W>>) {
     let (mut fresh, copies): (Vec<_>, Vec<_>) = intake
         .into_iter()
+        .filter(|joiner| !joiner.reply.is_closed())
         .partition(|joiner| keys.insert(joiner.request.key.clone()));
     fresh.sort_by(|a, b| a.request.key.cmp(&b.request.key));
     (fresh, copies)

@@ -77,7 +77,8 @@ impl PgTransactionalLayer {
 ///
 /// # Per-delivery handler or batch handler
 /// - [`PgBatchedLayer::handler`] (or the layer over any [`TransactionSafe`] service) keeps
-///   the handler you have: it is called once per delivery, on that delivery's task, with
+///   the handler you have: it is called once per delivery, on the lane's task (in the
+///   delivery's tracing span; task-locals of the delivery's own task are not there), with
 ///   the shared transaction as its [`PgTransaction`]. The handlers of a batch run one after
 ///   another, so each sees the writes of the ones before it exactly as it would after their
 ///   commits, and read-modify-write handlers stay correct. What the batch saves is the
@@ -99,9 +100,16 @@ impl PgTransactionalLayer {
 ///   deliveries then run alone. Keep such rows out of per-message handlers (a set handler
 ///   that updates them in key order), or use one lane.
 /// - A handler that never returns holds its whole batch. Per-delivery handlers: put a
-///   `tower` timeout in front of the stack, or inside, around the handler. A set handler runs
-///   on the lane's own task, which no timeout in front reaches: bound its time inside it
-///   (`tokio::time::timeout` around its statements, returning an error).
+///   `tower` timeout in front of the stack (a delivery whose future is dropped cuts its
+///   handler off, and the connection is closed, which also cancels its statement), or
+///   inside, around the handler. A set handler runs on the lane's task, which no timeout in
+///   front reaches: bound its time inside it (`tokio::time::timeout`, returning an error). A
+///   timeout inside drops the handler's future but not the statement it left running on the
+///   server: the batch's `ROLLBACK` waits for that statement (a `statement_timeout` or
+///   `lock_timeout` set by the handler with `SET LOCAL` bounds it).
+/// - `SET CONSTRAINTS ALL IMMEDIATE` in a handler fires the record table's guard trigger
+///   early and fails: name your constraints instead. Session settings a handler changes
+///   with a plain `SET` stay on the pooled connection: use `SET LOCAL`.
 /// - A handler that opens savepoints itself uses subtransactions: keep its savepoints times
 ///   the batch size below 64.
 /// - The lanes take their connections from the tier's pool, and a delivery that runs alone

@@ -109,7 +109,8 @@ impl<H: BatchHandler> Writer for SetWriter<H> {
 
     async fn write(&self, transaction: &Arc<Checkout>, group: Vec<Joiner<()>>, first: bool) -> Written {
         let envelopes = group.iter().map(|joiner| joiner.envelope.clone()).collect();
-        let call = self.0.handle(PgTransaction(transaction.clone()), envelopes);
+        // Inside the async block, a panic before the handler's first await is caught too.
+        let call = async { self.0.handle(PgTransaction(transaction.clone()), envelopes).await };
         let answer = AssertUnwindSafe(call).catch_unwind().await;
         let (whole_batch_failed, tainted) = match answer {
             Ok(Ok(answer)) => match answer.into_outcomes(group.len()) {

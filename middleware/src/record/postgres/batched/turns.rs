@@ -1,5 +1,5 @@
-//! The batched mode with per-delivery handlers: each delivery's handler runs on its own task,
-//! in turn, inside the batch's transaction.
+//! The batched mode with per-delivery handlers: each delivery's handler runs in turn on the
+//! lane's task, inside the batch's transaction.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -7,6 +7,7 @@ use std::task::{Context, Poll};
 
 use futures_util::FutureExt;
 use tower_service::Service;
+use tracing::Instrument;
 
 use super::lane::{Ended, Joiner, Lanes, Word, Writer, Written};
 use crate::backend::postgres::Checkout;
@@ -160,12 +161,18 @@ where
 {
     let template = inner.clone();
     let in_batch = envelope.clone();
+    // The handler runs on the lane's task: it takes the delivery's span along, so that its
+    // logs still name the route and the key.
+    let span = tracing::Span::current();
     let run: HandlerRun = Box::new(move |transaction| {
-        Box::pin(async move {
-            let mut envelope = in_batch;
-            envelope.extensions_mut().insert(transaction);
-            behind(inner, envelope).await
-        })
+        Box::pin(
+            async move {
+                let mut envelope = in_batch;
+                envelope.extensions_mut().insert(transaction);
+                behind(inner, envelope).await
+            }
+            .instrument(span),
+        )
     });
     match lanes.join(&envelope, run).await {
         Word::Ran(outcome) => {
