@@ -237,6 +237,10 @@ impl<W: Writer> Lane<W> {
         let opened = Instant::now();
         let mut keys = HashSet::new();
         let (fresh, mut later) = distinct(intake, &mut keys);
+        if fresh.is_empty() {
+            // Only copies, or deliveries already gone: no transaction to open for them.
+            return later;
+        }
         let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
         let (transaction, claimed) = match open(&self.record.pool, &self.record.statements, &requests).await {
             Ok(opened) => opened,
