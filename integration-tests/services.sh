@@ -7,12 +7,15 @@
 # checked: this script never starts or installs anything there.
 #
 # Usage: integration-tests/services.sh [SERVICE...]
-#   services: redis postgres rabbitmq rocketmq; default: all four. RocketMQ's first install
-#   builds its servers from source (about 25 min on 2 cores); later runs reuse the build.
+#        integration-tests/services.sh rabbitmqctl4 ARGS...   (rabbitmqctl for RabbitMQ 4.0)
+#   services: redis postgres rabbitmq rabbitmq4 rocketmq; default: all five. RocketMQ's first
+#   install builds its servers from source (about 25 min on 2 cores); later runs reuse the
+#   build. RabbitMQ 4.0's first install makes a Debian 13 root (about 2 min, see below).
 # Addresses come from the same variables the tests read:
 #   REDIS_URL     (default redis://127.0.0.1:6379)
 #   DATABASE_URL  (default postgres://postgres@127.0.0.1:5432/test)
 #   AMQP_ADDR     (default amqp://guest:guest@127.0.0.1:5672/%2f)
+#   AMQP_ADDR_4   (default amqp://guest:guest@127.0.0.1:5673/%2f): RabbitMQ 4.x
 #   ROCKETMQ_NAMESRV (default 127.0.0.1:9876)
 # RocketMQ's Rust name server and broker are built once into ONCELY_CACHE (default
 # ~/.cache/oncely), outside any clone, and reused; an interrupted build resumes from its
@@ -22,6 +25,7 @@ set -euo pipefail
 REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 AMQP_ADDR="${AMQP_ADDR:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+AMQP_ADDR_4="${AMQP_ADDR_4:-amqp://guest:guest@127.0.0.1:5673/%2f}"
 ROCKETMQ_NAMESRV="${ROCKETMQ_NAMESRV:-127.0.0.1:9876}"
 ONCELY_CACHE="${ONCELY_CACHE:-$HOME/.cache/oncely}"
 ROCKETMQ_VERSION=1.0.0
@@ -146,6 +150,53 @@ ensure_rabbitmq() {
   log "rabbitmq: up at $host:$port"
 }
 
+# RabbitMQ 4.0, the version users install today (Debian 13's). Its Erlang 27 needs a newer C
+# library than Debian 12's, so it runs in a Debian 13 root made with debootstrap from the
+# host's own apt mirror, sharing the host's network (and epmd) on ports of its own: AMQP on
+# AMQP_ADDR_4's port, Erlang distribution on 20000 + that port. The root lives in
+# ONCELY_CACHE and is reused; the node's data lives in the root's /var/lib/rabbitmq4.
+ensure_rabbitmq4() {
+  local host port root="$ONCELY_CACHE/debian13"
+  host=$(url_host "$AMQP_ADDR_4"); port=$(url_port "$AMQP_ADDR_4" 5673)
+  if amqp_answers "$host" "$port"; then log "rabbitmq4: up at $host:$port"; return; fi
+  is_local "$host" || die "rabbitmq4: nothing answers at $host:$port, and it is not this machine"
+  if [[ ! -x $root/usr/sbin/rabbitmq-server ]]; then
+    command -v debootstrap >/dev/null || apt_install debootstrap
+    local mirror
+    mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+    mirror=${mirror:-http://deb.debian.org/debian}
+    log "rabbitmq4: making a Debian 13 root in $root (once; about 2 min)"
+    rm -rf "$root.partial"
+    debootstrap --variant=minbase trixie "$root.partial" "$mirror" >/dev/null
+    # No service starts inside the root on its own: the node below is started by hand.
+    printf '#!/bin/sh\nexit 101\n' >"$root.partial/usr/sbin/policy-rc.d"
+    chmod +x "$root.partial/usr/sbin/policy-rc.d"
+    chroot "$root.partial" bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends rabbitmq-server' >/dev/null
+    mv "$root.partial" "$root"
+  fi
+  mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
+  mkdir -p "$root/var/lib/rabbitmq4"
+  chroot "$root" chown rabbitmq:rabbitmq /var/lib/rabbitmq4
+  log "rabbitmq4: starting on 127.0.0.1:$port"
+  chroot "$root" su rabbitmq -s /bin/sh -c "cd /var/lib/rabbitmq4 && HOME=/var/lib/rabbitmq4 \
+    RABBITMQ_NODENAME=rabbit4@localhost RABBITMQ_NODE_PORT=$port RABBITMQ_DIST_PORT=$((20000 + port)) \
+    RABBITMQ_MNESIA_BASE=/var/lib/rabbitmq4/mnesia RABBITMQ_LOG_BASE=/var/lib/rabbitmq4/log \
+    rabbitmq-server -detached" >/dev/null 2>&1 || true
+  wait_for rabbitmq4 120 amqp_answers "$host" "$port"
+  log "rabbitmq4: up at $host:$port (RabbitMQ $(ls "$root"/usr/lib/rabbitmq/lib | sed -n 's/^rabbitmq_server-//p'))"
+}
+
+# rabbitmqctl for the RabbitMQ 4.0 node started above, run inside its root as the node's user
+# (whose home holds the Erlang cookie): `services.sh rabbitmqctl4 ARGS...`.
+rabbitmqctl4() {
+  local root="$ONCELY_CACHE/debian13"
+  # Debian's rabbitmqctl runs as the rabbitmq user with that user's home, whose cookie is not
+  # the node's (the node's home is /var/lib/rabbitmq4): the node's cookie is passed instead.
+  chroot "$root" rabbitmqctl -q -n rabbit4@localhost \
+    --erlang-cookie "$(cat "$root/var/lib/rabbitmq4/.erlang.cookie")" "$@"
+}
+
 # True while process $1 runs; an exited child of this script stays a zombie until reaped,
 # which `kill -0` would still report as alive.
 running() { local state; state=$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null) && [[ $state != Z ]]; }
@@ -215,13 +266,15 @@ TOML
   log "rocketmq: up at $host:$port (broker 127.0.0.1:10911; logs and store in $run)"
 }
 
+if [[ ${1:-} == rabbitmqctl4 ]]; then shift; rabbitmqctl4 "$@"; exit; fi
 services=("$@")
-[[ ${#services[@]} -gt 0 ]] || services=(redis postgres rabbitmq rocketmq)
+[[ ${#services[@]} -gt 0 ]] || services=(redis postgres rabbitmq rabbitmq4 rocketmq)
 for service in "${services[@]}"; do
   case $service in
     redis) ensure_redis ;;
     postgres) ensure_postgres ;;
     rabbitmq) ensure_rabbitmq ;;
+    rabbitmq4) ensure_rabbitmq4 ;;
     rocketmq) ensure_rocketmq ;;
     *) die "unknown service $service" ;;
   esac
