@@ -1,8 +1,11 @@
-//! RabbitMQ for the tests: connections on `AMQP_ADDR`, queues of each test's own, and the
+//! RabbitMQ for the tests: connections on `AMQP_ADDR` (RabbitMQ 3.10) and `AMQP_ADDR_4`
+//! (RabbitMQ 4.0), queues of each test's own, runners in tasks of their own, and the
 //! stock-deduction route the tests and the consumer process share.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::process::{Command, Stdio};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
@@ -13,9 +16,11 @@ use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::postgres::Table;
 use oncely::record::PgTransactionalLayer;
-use oncely::{Envelope, KeyExtractor, Route, handler_fn};
-use oncely_amqp::Topology;
+use oncely::report::RunReport;
+use oncely::{Envelope, KeyExtractor, Outcome, Route, handler_fn};
+use oncely_amqp::{Producer, Runner, Topology};
 use redis::aio::ConnectionManager;
+use tokio_util::sync::CancellationToken;
 use tower::ServiceBuilder;
 
 use crate::postgres::stock_move;
@@ -28,6 +33,177 @@ pub fn amqp_addr() -> String {
 /// A connection to `AMQP_ADDR`.
 pub async fn connect() -> Result<Connection, lapin::Error> {
     Connection::connect(&amqp_addr(), ConnectionProperties::default()).await
+}
+
+/// The RabbitMQ versions the tests run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Broker {
+    /// RabbitMQ 3.10 (Debian 12's) at `AMQP_ADDR`.
+    Rabbit3,
+    /// RabbitMQ 4.0 (Debian 13's) at `AMQP_ADDR_4`, default `amqp://guest:guest@127.0.0.1:5673/%2f`.
+    Rabbit4,
+}
+
+impl Broker {
+    /// Its AMQP address.
+    pub fn address(self) -> String {
+        match self {
+            Broker::Rabbit3 => amqp_addr(),
+            Broker::Rabbit4 => std::env::var("AMQP_ADDR_4")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5673/%2f".into()),
+        }
+    }
+
+    /// Its `host:port`.
+    pub fn host_port(self) -> String {
+        let address = self.address();
+        let rest = address
+            .split_once("://")
+            .map_or(address.as_str(), |(_, rest)| rest);
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+        rest.split('/').next().unwrap_or(rest).to_owned()
+    }
+
+    /// A connection to it.
+    pub async fn connect(self) -> Connection {
+        Connection::connect(&self.address(), ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|error| {
+                panic!("{self:?} unreachable ({error}); run integration-tests/services.sh")
+            })
+    }
+
+    /// Runs its `rabbitmqctl` with `arguments` (RabbitMQ 4.0's through `services.sh
+    /// rabbitmqctl4`, inside its Debian 13 root) and returns what it printed; panics if it
+    /// fails.
+    pub fn rabbitmqctl<S: AsRef<std::ffi::OsStr> + std::fmt::Debug>(self, arguments: &[S]) -> String {
+        let output = self
+            .rabbitmqctl_command()
+            .args(arguments)
+            .output()
+            .expect("rabbitmqctl runs");
+        assert!(
+            output.status.success(),
+            "rabbitmqctl {arguments:?} on {self:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    fn rabbitmqctl_command(self) -> Command {
+        match self {
+            Broker::Rabbit3 => Command::new("rabbitmqctl"),
+            Broker::Rabbit4 => {
+                let mut command = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/services.sh"));
+                command.arg("rabbitmqctl4");
+                command
+            }
+        }
+    }
+}
+
+/// Turns async functions taking a [`Broker`] into one test per broker, in modules
+/// `rabbitmq_3` and `rabbitmq_4`.
+#[macro_export]
+macro_rules! on_both_brokers {
+    ($($case:ident),* $(,)?) => {
+        mod rabbitmq_3 {
+            $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                super::$case($crate::amqp::Broker::Rabbit3).await
+            }
+            )*
+        }
+        mod rabbitmq_4 {
+            $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                super::$case($crate::amqp::Broker::Rabbit4).await
+            }
+            )*
+        }
+    };
+}
+
+/// A fresh topology on `broker` holding one message per order id (body `{"orderId":…}`),
+/// and a channel to inspect it with.
+pub async fn topology_with_orders(broker: Broker, name: &str, orders: &[&str]) -> (Topology, Channel) {
+    let topology = scratch_topology(name);
+    let channel = broker.connect().await.create_channel().await.unwrap();
+    topology.declare(&channel).await.unwrap();
+    let producer = Producer::new(broker.connect().await);
+    for order in orders {
+        let body = format!(r#"{{"orderId":"{order}"}}"#);
+        producer
+            .publish("", topology.queue(), body.as_bytes(), None)
+            .await
+            .unwrap();
+    }
+    (topology, channel)
+}
+
+/// Counts handler runs per business key.
+#[derive(Clone, Default)]
+pub struct Runs(Arc<Mutex<HashMap<String, u32>>>);
+
+impl Runs {
+    /// Counts a run of `envelope`'s key and returns how many it has had.
+    pub fn count(&self, envelope: &Envelope) -> u32 {
+        let mut runs = self.0.lock().unwrap();
+        let count = runs.entry(envelope.key().to_string()).or_default();
+        *count += 1;
+        *count
+    }
+
+    /// How many runs `key` had.
+    pub fn of(&self, key: &str) -> u32 {
+        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+
+    /// How many keys starting with `prefix` ran.
+    pub fn keys_starting(&self, prefix: &str) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .keys()
+            .filter(|key| key.starts_with(prefix))
+            .count()
+    }
+}
+
+/// A runner running in a task of its own.
+pub type Running = tokio::task::JoinHandle<Result<RunReport, oncely_amqp::Error>>;
+
+/// Starts `runner` on its own connections to `address` named `name`, reconnecting when the
+/// broker drops one.
+pub fn start_runner<S>(runner: Runner<S>, address: String, name: &str) -> (CancellationToken, Running)
+where
+    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let shutdown = CancellationToken::new();
+    let running = {
+        let (shutdown, name) = (shutdown.clone(), name.to_owned());
+        tokio::spawn(async move {
+            let connect = || {
+                let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
+                let address = address.clone();
+                async move { Connection::connect(&address, properties).await }
+            };
+            runner.run_with_reconnect(connect, &shutdown).await
+        })
+    };
+    (shutdown, running)
+}
+
+/// Stops a runner [`start_runner`] started, checks it ended without an error and returns its
+/// report.
+pub async fn stop_runner(shutdown: CancellationToken, running: Running) -> RunReport {
+    shutdown.cancel();
+    let ended = running.await.expect("the runner task does not panic");
+    ended.expect("the runner stops at shutdown without an error")
 }
 
 /// The topology of `queue` with the tests' short retry delays (100 ms, 300 ms).
@@ -76,13 +252,16 @@ pub fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> Opt
     }
 }
 
-/// Closes, on the broker's side, every connection whose client properties carry `name`,
+/// Closes, on RabbitMQ 3.10's side, every connection whose client properties carry `name`,
 /// as a network failure or a broker operator would, and returns how many it closed.
 pub fn close_connections_named(name: &str) -> usize {
-    let Ok(listed) = Command::new("rabbitmqctl")
-        .args(["list_connections", "-q", "pid", "client_properties"])
-        .output()
-    else {
+    close_connections_on(Broker::Rabbit3, name)
+}
+
+/// [`close_connections_named`] on `broker`.
+pub fn close_connections_on(broker: Broker, name: &str) -> usize {
+    let rabbitmqctl = |arguments: &[&str]| broker.rabbitmqctl_command().args(arguments).output();
+    let Ok(listed) = rabbitmqctl(&["list_connections", "-q", "pid", "client_properties"]) else {
         return 0;
     };
     let pids: Vec<String> = String::from_utf8_lossy(&listed.stdout)
@@ -92,15 +271,12 @@ pub fn close_connections_named(name: &str) -> usize {
         .collect();
     pids.iter()
         .filter(|pid| {
-            Command::new("rabbitmqctl")
-                .args([
-                    "close_connection",
-                    pid.as_str(),
-                    "oncely test: connection dropped",
-                ])
-                .stdout(Stdio::null())
-                .status()
-                .is_ok_and(|status| status.success())
+            rabbitmqctl(&[
+                "close_connection",
+                pid.as_str(),
+                "oncely test: connection dropped",
+            ])
+            .is_ok_and(|output| output.status.success())
         })
         .count()
 }

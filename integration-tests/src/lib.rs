@@ -2,6 +2,7 @@
 //! and the store suites every backend runs are `oncely::testing`.
 
 pub mod amqp;
+pub mod amqp_tap;
 pub mod chaos_stack;
 pub mod dead_letter;
 pub mod outcomes;

@@ -3,25 +3,38 @@
 //! up attempts, and a retry hop whose target queue is missing. Each test declares its own
 //! queues and deletes them.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use integration_tests::amqp::{
-    amqp_addr, close_connections_named, connect, drain, header_text, ready_messages, scratch_topology,
+    Broker, Runs, close_connections_on, drain, header_text, ready_messages, scratch_topology, start_runner,
+    stop_runner, topology_with_orders,
 };
+use integration_tests::amqp_tap::AmqpTap;
 use integration_tests::dead_letter;
-use integration_tests::{unique, wait_until};
+use integration_tests::{on_both_brokers, unique, wait_until};
 use lapin::options::{BasicPublishOptions, QueueDeleteOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use oncely::report::RunReport;
 use oncely::{
     BoxFuture, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Tier, handler_fn,
 };
-use oncely_amqp::{Producer, Runner, Topology};
+use oncely_amqp::{Runner, Topology};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+
+on_both_brokers!(
+    panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_panics,
+    a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_the_rest_flow,
+    a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter_queue,
+    waiting_for_another_holder_uses_up_no_attempts,
+    work_and_suspect_queues_dead_letter_past_the_brokers_delivery_limit,
+    queues_declared_before_the_safety_net_get_it_from_the_policy,
+    a_late_confirm_is_waited_for_not_answered_with_a_second_copy,
+    deliveries_received_but_not_started_at_shutdown_come_back_uncounted,
+    counters_a_producer_sets_on_a_first_delivery_change_nothing,
+    messages_caught_in_another_messages_crash_are_never_dead_lettered_for_it,
+);
 
 /// Asserts that `message`, taken from the dead-letter queue of `topology`, carries the
 /// dead-letter metadata with `reason`, `attempts` and `route`.
@@ -42,85 +55,11 @@ fn assert_dead_letter(
     dead_letter::assert_metadata(|name| header_text(message, name), &expected);
 }
 
-/// A fresh topology holding one message per order id, and a channel to inspect it with.
-async fn queue_with(name: &str, orders: &[&str]) -> (Topology, lapin::Channel) {
-    let topology = scratch_topology(name);
-    let channel = connect().await.unwrap().create_channel().await.unwrap();
-    topology.declare(&channel).await.unwrap();
-    let producer = Producer::new(connect().await.unwrap());
-    for order in orders {
-        let body = format!(r#"{{"orderId":"{order}"}}"#);
-        producer
-            .publish("", topology.queue(), body.as_bytes(), None)
-            .await
-            .unwrap();
-    }
-    (topology, channel)
-}
-
-/// Counts handler runs per order id.
-#[derive(Clone, Default)]
-struct Runs(Arc<Mutex<HashMap<String, u32>>>);
-
-impl Runs {
-    fn count(&self, envelope: &Envelope) -> u32 {
-        let mut runs = self.0.lock().unwrap();
-        let count = runs.entry(envelope.key().to_string()).or_default();
-        *count += 1;
-        *count
-    }
-
-    fn of(&self, key: &str) -> u32 {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
-
-    fn keys_starting(&self, prefix: &str) -> usize {
-        self.0
-            .lock()
-            .unwrap()
-            .keys()
-            .filter(|key| key.starts_with(prefix))
-            .count()
-    }
-}
-
-/// Stops a runner [`start`] started, checks it ended without an error and returns its report.
-async fn stop(shutdown: CancellationToken, running: Running) -> RunReport {
-    shutdown.cancel();
-    let ended = running.await.expect("the runner task does not panic");
-    ended.expect("the runner stops at shutdown without an error")
-}
-
-/// A runner running in a task of its own.
-type Running = tokio::task::JoinHandle<Result<RunReport, oncely_amqp::Error>>;
-
-/// Starts `runner` on its own connection named `name`, reconnecting when the broker drops it.
-fn start<S>(runner: Runner<S>, name: &str) -> (CancellationToken, Running)
-where
-    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
-    S::Error: Into<oncely::BoxError>,
-    S::Future: Send,
-{
-    let shutdown = CancellationToken::new();
-    let running = {
-        let (shutdown, name) = (shutdown.clone(), name.to_owned());
-        tokio::spawn(async move {
-            let connect = || {
-                let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
-                async move { Connection::connect(&amqp_addr(), properties).await }
-            };
-            runner.run_with_reconnect(connect, &shutdown).await
-        })
-    };
-    (shutdown, running)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_panics() {
+async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_panics(broker: Broker) {
     let orders = [
         "panic-1", "panic-2", "panic-3", "panic-4", "panic-5", "ok-1", "ok-2", "ok-3",
     ];
-    let (topology, channel) = queue_with("panics", &orders).await;
+    let (topology, channel) = topology_with_orders(broker, "panics", &orders).await;
     let runs = Runs::default();
     let counted = runs.clone();
     let handler = handler_fn(move |envelope: Envelope| {
@@ -135,13 +74,13 @@ async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_pa
     let route = Route::new("panics", KeyExtractor::json_pointer("/orderId"), handler).with_max_attempts(2);
     // Fewer prefetch slots than panicking messages: a pinned slot per panic would stall.
     let runner = Runner::new(route, topology.clone()).with_prefetch(2);
-    let (shutdown, running) = start(runner, &unique("oncely-test-panics"));
+    let (shutdown, running) = start_runner(runner, broker.address(), &unique("oncely-test-panics"));
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(30), || async {
         ready_messages(&channel, dlq).await == 5 && runs.keys_starting("ok") == 3
     })
     .await;
-    stop(shutdown, running).await;
+    stop_runner(shutdown, running).await;
 
     for message in drain(&channel, dlq).await {
         assert_dead_letter(&message, &topology, "attempts_exhausted", 2, "panics");
@@ -154,12 +93,13 @@ async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_pa
     topology.delete(&channel).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_the_rest_flow() {
+async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_the_rest_flow(
+    broker: Broker,
+) {
     let mut orders = vec!["poison".to_owned()];
     orders.extend((0..20).map(|n| format!("ok-{n}")));
     let order_refs: Vec<&str> = orders.iter().map(String::as_str).collect();
-    let (topology, channel) = queue_with("crash-loop", &order_refs).await;
+    let (topology, channel) = topology_with_orders(broker, "crash-loop", &order_refs).await;
     let runs = Runs::default();
     let crashed = Arc::new(Notify::new());
     let (counted, crash) = (runs.clone(), crashed.clone());
@@ -167,6 +107,8 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
     // that dies holding its deliveries would be: the broker takes back everything unacked.
     // Between crashes it fails once, so it also travels through a retry queue, whose copy the
     // broker counts from zero (as a wait for the flag or lock its crash left behind would).
+    // The ok messages the consumer held at its crashes are caught in them, through no fault
+    // of their own.
     let handler = handler_fn(move |envelope: Envelope| {
         let run = counted.count(&envelope);
         let crash = crash.clone();
@@ -187,14 +129,14 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
         .with_max_deliveries(3)
         .with_shutdown_grace(Duration::from_millis(100));
     let name = unique("oncely-test-crash-loop");
-    let (shutdown, running) = start(runner, &name);
+    let (shutdown, running) = start_runner(runner, broker.address(), &name);
     let killer = {
         let name = name.clone();
         tokio::spawn(async move {
             loop {
                 crashed.notified().await;
                 let name = name.clone();
-                tokio::task::spawn_blocking(move || close_connections_named(&name))
+                tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
                     .await
                     .unwrap();
             }
@@ -205,28 +147,31 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
         ready_messages(&channel, dlq).await == 1 && runs.keys_starting("ok") == 20
     })
     .await;
-    stop(shutdown, running).await;
+    stop_runner(shutdown, running).await;
     killer.abort();
 
     let dead = drain(&channel, dlq).await;
     assert_eq!(dead.len(), 1, "only the poison message is dead-lettered");
-    // Three crashes with a retry (attempt + 1) after each of the first two.
-    assert_dead_letter(&dead[0], &topology, "delivery_limit", 3, "crash-loop");
+    // One crash among others (not counted: it cannot be told from its neighbours'), then it
+    // runs alone: three crashes, with a failure and a retry (attempt + 1) before each.
+    assert_dead_letter(&dead[0], &topology, "delivery_limit", 4, "crash-loop");
     assert_eq!(
         String::from_utf8_lossy(&dead[0].delivery.data),
         r#"{"orderId":"poison"}"#
     );
     assert_eq!(
         runs.of("poison"),
-        5,
-        "three crashes with a failure between each, then it never ran again"
+        7,
+        "a crash among others, then three failures and three crashes alone; then it never ran again"
     );
+    for n in 0..20 {
+        assert_eq!(runs.of(&format!("ok-{n}")), 1, "ok-{n} is blamed for no crash");
+    }
     topology.delete(&channel).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter_queue() {
-    let (topology, channel) = queue_with("unroutable-retry", &["o-1"]).await;
+async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter_queue(broker: Broker) {
+    let (topology, channel) = topology_with_orders(broker, "unroutable-retry", &["o-1"]).await;
     // The retry copies become unroutable: every settlement of a retry fails.
     for retry_queue in topology.retry_queues() {
         channel
@@ -242,13 +187,18 @@ async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter
     });
     let route = Route::new("unroutable", KeyExtractor::json_pointer("/orderId"), handler);
     let runner = Runner::new(route, topology.clone()).with_max_deliveries(3);
+    // Through a tap that reads how the runner returns what it cannot settle.
+    let tap = AmqpTap::start(&broker.host_port()).await;
+    let tapped = Connection::connect(
+        &tap.address_for(&broker.address()),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
     // `run`, not `run_with_reconnect`, which would declare the retry queues again.
     let shutdown = CancellationToken::new();
     let running = {
-        let (shutdown, channel) = (
-            shutdown.clone(),
-            connect().await.unwrap().create_channel().await.unwrap(),
-        );
+        let (shutdown, channel) = (shutdown.clone(), tapped.create_channel().await.unwrap());
         tokio::spawn(async move { runner.run(&channel, &shutdown).await.unwrap() })
     };
     let dlq = topology.dead_letter_queue();
@@ -263,7 +213,22 @@ async fn a_retry_the_broker_will_not_take_is_bounded_and_ends_in_the_dead_letter
     let dead = drain(&channel, dlq).await;
     // Its retry copy never left: every run was attempt 1.
     assert_dead_letter(&dead[0], &topology, "delivery_limit", 1, "unroutable");
-    assert_eq!(runs.of("o-1"), 3, "the stack ran a bounded number of times");
+    assert_eq!(
+        runs.of("o-1"),
+        4,
+        "the stack ran a bounded number of times: once among others, then three times alone"
+    );
+    // Returned with basic.reject, which RabbitMQ counts in every version (a nack's return
+    // stops counting in 4.3, and this loop would never end there).
+    let sent = tap.sent();
+    let rejects = sent.iter().filter(|method| method.is_reject()).count();
+    assert!(rejects >= 4, "every failed settlement is a reject: {sent:?}");
+    assert!(
+        sent.iter()
+            .filter(|m| m.is_reject())
+            .all(|m| m.requeue == Some(true))
+    );
+    assert!(!sent.iter().any(|method| method.is_nack()), "no nack: {sent:?}");
     topology.delete(&channel).await.unwrap();
 }
 
@@ -296,22 +261,22 @@ impl tower::Service<Envelope> for WaitsThenFails {
     }
 }
 
-#[tokio::test]
-async fn waiting_for_another_holder_uses_up_no_attempts() {
-    let (topology, channel) = queue_with("waits", &["o-1"]).await;
+async fn waiting_for_another_holder_uses_up_no_attempts(broker: Broker) {
+    let (topology, channel) = topology_with_orders(broker, "waits", &["o-1"]).await;
     let attempts = Arc::new(Mutex::new(Vec::new()));
     let stack = WaitsThenFails {
         waits: 4,
         attempts: attempts.clone(),
     };
     let route = Route::new("waits", KeyExtractor::json_pointer("/orderId"), stack).with_max_attempts(3);
-    let (shutdown, running) = start(Runner::new(route, topology.clone()), &unique("oncely-test-waits"));
+    let runner = Runner::new(route, topology.clone());
+    let (shutdown, running) = start_runner(runner, broker.address(), &unique("oncely-test-waits"));
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(30), || async {
         ready_messages(&channel, dlq).await == 1
     })
     .await;
-    stop(shutdown, running).await;
+    stop_runner(shutdown, running).await;
     let dead = drain(&channel, dlq).await;
     assert_dead_letter(&dead[0], &topology, "attempts_exhausted", 3, "waits");
     assert_eq!(
@@ -327,7 +292,7 @@ async fn waiting_for_another_holder_uses_up_no_attempts() {
 #[tokio::test]
 async fn a_retry_whose_work_queue_is_missing_waits_in_the_retry_queue_instead_of_vanishing() {
     let topology = scratch_topology("retry-hop");
-    let channel = connect().await.unwrap().create_channel().await.unwrap();
+    let channel = Broker::Rabbit3.connect().await.create_channel().await.unwrap();
     topology.declare(&channel).await.unwrap();
     channel
         .queue_delete(topology.queue().into(), QueueDeleteOptions::default())
@@ -355,5 +320,268 @@ async fn a_retry_whose_work_queue_is_missing_waits_in_the_retry_queue_instead_of
         ready_messages(&channel, topology.queue()).await == 1
     })
     .await;
+    topology.delete(&channel).await.unwrap();
+}
+
+/// Returns one message from `queue` `returns` times with `basic.reject` and requeue, as a
+/// consumer that keeps failing to settle it would.
+async fn return_again_and_again(channel: &lapin::Channel, queue: &str, returns: u32) {
+    use lapin::options::{BasicGetOptions, BasicRejectOptions};
+    for _ in 0..returns {
+        let get = channel.basic_get(queue.into(), BasicGetOptions { no_ack: false });
+        let Some(message) = get.await.unwrap() else {
+            return;
+        };
+        message
+            .delivery
+            .acker
+            .reject(BasicRejectOptions { requeue: true })
+            .await
+            .unwrap();
+    }
+}
+
+/// Publishes `body` to `queue` through the default exchange, confirmed, with `headers`.
+async fn publish_raw(channel: &lapin::Channel, queue: &str, body: &[u8], headers: lapin::types::FieldTable) {
+    channel.confirm_select(Default::default()).await.unwrap();
+    channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_headers(headers),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+/// Returns a message in the work queue and one in the suspect queue 25 times each (past
+/// RabbitMQ 4.x's default delivery limit of 20) and checks that neither is gone: on 3.10
+/// they stay where they are, on 4.x the broker dead-letters them to the dead-letter queue.
+async fn assert_returns_lose_nothing(broker: Broker, topology: &Topology, channel: &lapin::Channel) {
+    for queue in [topology.queue(), topology.suspect_queue()] {
+        publish_raw(channel, queue, br#"{"orderId":"o-1"}"#, Default::default()).await;
+        return_again_and_again(channel, queue, 25).await;
+    }
+    let dlq = topology.dead_letter_queue();
+    let kept = ready_messages(channel, topology.queue()).await
+        + ready_messages(channel, topology.suspect_queue()).await
+        + ready_messages(channel, dlq).await;
+    assert_eq!(
+        kept, 2,
+        "{broker:?}: a message returned 25 times is never dropped"
+    );
+    if broker == Broker::Rabbit4 {
+        assert_eq!(
+            ready_messages(channel, dlq).await,
+            2,
+            "past 20 deliveries, 4.x dead-letters"
+        );
+    }
+}
+
+async fn work_and_suspect_queues_dead_letter_past_the_brokers_delivery_limit(broker: Broker) {
+    let (topology, channel) = topology_with_orders(broker, "delivery-limit", &[]).await;
+    assert_returns_lose_nothing(broker, &topology, &channel).await;
+    topology.delete(&channel).await.unwrap();
+}
+
+async fn queues_declared_before_the_safety_net_get_it_from_the_policy(broker: Broker) {
+    // Queues as oncely 0.1 declared them: the topology still accepts them...
+    let topology = scratch_topology("policy").with_safety_net_by_policy();
+    let channel = broker.connect().await.create_channel().await.unwrap();
+    topology.declare(&channel).await.unwrap();
+    // ...and the policy gives them their dead-letter target.
+    let policy = topology.dead_letter_policy();
+    broker.rabbitmqctl(&policy.rabbitmqctl_arguments());
+    wait_until(Duration::from_secs(10), || async {
+        let listed = broker.rabbitmqctl(&["list_queues", "-q", "name", "policy"]);
+        let applied = |queue: &str| {
+            listed
+                .lines()
+                .any(|line| line.split_whitespace().eq([queue, policy.name.as_str()]))
+        };
+        applied(topology.queue()) && applied(topology.suspect_queue())
+    })
+    .await;
+    assert_returns_lose_nothing(broker, &topology, &channel).await;
+    broker.rabbitmqctl(&["clear_policy", policy.name.as_str()]);
+    topology.delete(&channel).await.unwrap();
+}
+
+async fn a_late_confirm_is_waited_for_not_answered_with_a_second_copy(broker: Broker) {
+    let (topology, channel) = topology_with_orders(broker, "late-confirm", &[]).await;
+    let handler = handler_fn(|_: Envelope| async { Err::<(), _>(HandlerError::permanent("bad order")) });
+    let route = Route::new("late-confirm", KeyExtractor::json_pointer("/orderId"), handler);
+    let runner = Runner::new(route, topology.clone()).with_confirm_timeout(Duration::from_millis(200));
+    // The broker's answers reach the runner a second late: every confirm times out first.
+    let tap = AmqpTap::start(&broker.host_port()).await;
+    let (shutdown, running) = start_runner(
+        runner,
+        tap.address_for(&broker.address()),
+        &unique("oncely-test-late"),
+    );
+    wait_until(Duration::from_secs(10), || async {
+        ready_messages(&channel, topology.queue()).await == 0
+    })
+    .await;
+    tap.delay_answers(Duration::from_secs(1));
+    publish_raw(
+        &channel,
+        topology.queue(),
+        br#"{"orderId":"o-1"}"#,
+        Default::default(),
+    )
+    .await;
+    let dlq = topology.dead_letter_queue();
+    wait_until(Duration::from_secs(30), || async {
+        ready_messages(&channel, dlq).await >= 1
+    })
+    .await;
+    // Long enough for the copies the runner used to send after each timeout to land.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    tap.delay_answers(Duration::ZERO);
+    let report = stop_runner(shutdown, running).await;
+    assert_eq!(
+        ready_messages(&channel, dlq).await,
+        1,
+        "one message, one dead letter"
+    );
+    assert_eq!(report.dead_letters.values().sum::<u64>(), 1, "{report}");
+    topology.delete(&channel).await.unwrap();
+}
+
+async fn deliveries_received_but_not_started_at_shutdown_come_back_uncounted(broker: Broker) {
+    let orders: Vec<String> = (0..10).map(|n| format!("o-{n}")).collect();
+    let order_refs: Vec<&str> = orders.iter().map(String::as_str).collect();
+    let (topology, channel) = topology_with_orders(broker, "shutdown-hand-back", &order_refs).await;
+    let runs = Runs::default();
+    let route = || {
+        let counted = runs.clone();
+        let handler = handler_fn(move |envelope: Envelope| {
+            counted.count(&envelope);
+            async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<(), HandlerError>(())
+            }
+        });
+        Route::new("hand-back", KeyExtractor::json_pointer("/orderId"), handler)
+    };
+    // One at a time, with every message sent ahead: a deploy stops it with most not started.
+    let runner = Runner::new(route(), topology.clone())
+        .with_prefetch(20)
+        .with_concurrency(1);
+    let (shutdown, running) = start_runner(runner, broker.address(), &unique("oncely-test-hand-back"));
+    wait_until(Duration::from_secs(10), || async {
+        runs.keys_starting("o-") >= 1
+    })
+    .await;
+    stop_runner(shutdown, running).await;
+    let started = runs.keys_starting("o-");
+    assert!(started < 10, "the deploy came before the backlog was done");
+
+    // The next run takes the rest as first deliveries: none goes through the suspect queue.
+    let runner = Runner::new(route(), topology.clone()).with_drain(Duration::from_millis(500));
+    let (_, running) = start_runner(runner, broker.address(), &unique("oncely-test-hand-back"));
+    let report = running.await.unwrap().unwrap();
+    assert_eq!(report.retries.get("returned_unsettled"), None, "{report}");
+    assert_eq!(report.processed, 10 - started as u64, "{report}");
+    for order in &orders {
+        assert_eq!(runs.of(order), 1, "{order} ran once");
+    }
+    topology.delete(&channel).await.unwrap();
+}
+
+async fn counters_a_producer_sets_on_a_first_delivery_change_nothing(broker: Broker) {
+    let (topology, channel) = topology_with_orders(broker, "forged-headers", &[]).await;
+    let mut headers = lapin::types::FieldTable::default();
+    for name in ["x-oncely-returns", "x-delivery-count", "x-oncely-attempt"] {
+        headers.insert(name.into(), lapin::types::AMQPValue::LongLongInt(99));
+    }
+    publish_raw(&channel, topology.queue(), br#"{"orderId":"o-1"}"#, headers).await;
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let seen = attempts.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        seen.lock().unwrap().push(envelope.delivery().attempt());
+        async { Ok::<(), HandlerError>(()) }
+    });
+    let route = Route::new("forged", KeyExtractor::json_pointer("/orderId"), handler).with_max_attempts(3);
+    let runner = Runner::new(route, topology.clone()).with_drain(Duration::from_millis(500));
+    let (_, running) = start_runner(runner, broker.address(), &unique("oncely-test-forged"));
+    let report = running.await.unwrap().unwrap();
+    assert_eq!(
+        *attempts.lock().unwrap(),
+        vec![1],
+        "it ran once, as a first attempt: {report}"
+    );
+    assert_eq!(report.processed, 1, "{report}");
+    assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
+    topology.delete(&channel).await.unwrap();
+}
+
+async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_it(broker: Broker) {
+    let mut orders = vec!["poison".to_owned()];
+    orders.extend((0..9).map(|n| format!("ok-{n}")));
+    let order_refs: Vec<&str> = orders.iter().map(String::as_str).collect();
+    let (topology, channel) = topology_with_orders(broker, "caught", &order_refs).await;
+    let runs = Runs::default();
+    let crashed = Arc::new(Notify::new());
+    let (counted, crash) = (runs.clone(), crashed.clone());
+    // The poison message takes its consumer down every time; the others are slow enough to
+    // be held, started or not, by the consumer at each crash.
+    let handler = handler_fn(move |envelope: Envelope| {
+        counted.count(&envelope);
+        let crash = crash.clone();
+        async move {
+            if envelope.key().as_str() == "poison" {
+                crash.notify_one();
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let route = Route::new("caught", KeyExtractor::json_pointer("/orderId"), handler);
+    // The strictest limit: a message that came back once while running alone is dead.
+    let runner = Runner::new(route, topology.clone())
+        .with_max_deliveries(1)
+        .with_concurrency(2)
+        .with_shutdown_grace(Duration::from_millis(100));
+    let name = unique("oncely-test-caught");
+    let (shutdown, running) = start_runner(runner, broker.address(), &name);
+    let killer = tokio::spawn(async move {
+        loop {
+            crashed.notified().await;
+            let name = name.clone();
+            tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
+                .await
+                .unwrap();
+        }
+    });
+    let dlq = topology.dead_letter_queue();
+    wait_until(Duration::from_secs(60), || async {
+        ready_messages(&channel, dlq).await >= 1 && runs.keys_starting("ok") == 9
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop_runner(shutdown, running).await;
+    killer.abort();
+    let dead = drain(&channel, dlq).await;
+    let bodies: Vec<_> = dead
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.delivery.data).into_owned())
+        .collect();
+    assert_eq!(
+        bodies,
+        [r#"{"orderId":"poison"}"#],
+        "only the poison message is dead-lettered"
+    );
+    assert_dead_letter(&dead[0], &topology, "delivery_limit", 1, "caught");
+    assert_eq!(runs.of("poison"), 2, "once among others, once alone");
     topology.delete(&channel).await.unwrap();
 }

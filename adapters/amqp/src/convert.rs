@@ -3,22 +3,35 @@
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::types::{AMQPValue, FieldTable};
 use oncely::{Delivery, Headers, Source};
+use xxhash_rust::xxh3::Xxh3;
 
 /// The header carrying oncely's attempt number on messages the runner sends back for a
-/// retry; absent on a first delivery.
+/// retry; absent on a first delivery. Read only under a valid [`SEAL_HEADER`].
 pub const ATTEMPT_HEADER: &str = "x-oncely-attempt";
 
+/// Header on the runner's copies that come back to it (retries, suspects, deliveries handed
+/// back at shutdown): a checksum over the copy's counters ([`ATTEMPT_HEADER`],
+/// [`RETURNS_HEADER`](crate::RETURNS_HEADER)), its body and its work queue. The runner reads
+/// its counters only when the seal matches, so counters that a producer sets, or copies
+/// from a message it consumed elsewhere, change nothing: the delivery counts as a first one.
+/// Dead letters carry no seal, so a dead letter replayed to the work queue starts afresh.
+///
+/// A checksum, not a signature: it guards against headers set or copied by mistake, not
+/// against a producer that forges them on purpose (keep such producers away from the
+/// topology's queues with RabbitMQ's permissions).
+pub const SEAL_HEADER: &str = "x-oncely-seal";
+
 /// Converts one lapin delivery from `queue` into an oncely [`Delivery`]: the message id,
-/// headers, body, attempt number (from [`ATTEMPT_HEADER`], 1 when absent) and the broker's
-/// redelivered flag. AMQP has no separate key field, so the broker key stays empty; key a
-/// route by message id, a header or the body.
+/// headers, body, attempt number (from [`ATTEMPT_HEADER`] under a valid [`SEAL_HEADER`], 1
+/// otherwise) and the broker's redelivered flag. AMQP has no separate key field, so the
+/// broker key stays empty; key a route by message id, a header or the body.
 ///
 /// Header values keep their bytes for strings and byte arrays and their decimal spelling
 /// for numbers and booleans; nested tables and arrays are left out.
 pub fn to_delivery(delivery: &AmqpDelivery, queue: &str) -> Delivery {
     let properties = &delivery.properties;
     let headers = properties.headers().as_ref().map(to_headers).unwrap_or_default();
-    let attempt = properties.headers().as_ref().and_then(attempt_of).unwrap_or(1);
+    let attempt = Counters::of(delivery, queue).attempt;
     let mut converted = Delivery::new(Source::new(queue), delivery.data.clone())
         .with_headers(headers)
         .with_attempt(attempt)
@@ -61,11 +74,81 @@ pub(crate) fn integer_of(value: &AMQPValue) -> Option<i128> {
     })
 }
 
-fn attempt_of(table: &FieldTable) -> Option<u32> {
-    let value = table.inner().get(ATTEMPT_HEADER)?;
-    // A producer may send any number here: beyond u32 it saturates (and the route's limit
-    // applies at once), below 1 it reads as a first attempt.
-    integer_of(value).map(|attempt| u32::try_from(attempt.max(1)).unwrap_or(u32::MAX))
+/// The runner's counters of one message, carried by its copies under [`SEAL_HEADER`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Counters {
+    /// Its attempt number, from 1.
+    pub(crate) attempt: u32,
+    /// How many times it came back unsettled while it ran alone; `None`: it never went
+    /// through the suspect queue.
+    pub(crate) returns: Option<u32>,
+}
+
+impl Counters {
+    /// The counters of a message the runner has not seen before.
+    pub(crate) const FIRST: Counters = Counters {
+        attempt: 1,
+        returns: None,
+    };
+
+    /// The counters `delivery` carries if their seal matches its body and `queue` (the
+    /// topology's work queue); [`Counters::FIRST`] otherwise.
+    pub(crate) fn of(delivery: &AmqpDelivery, queue: &str) -> Counters {
+        let Some(table) = delivery.properties.headers().as_ref() else {
+            return Counters::FIRST;
+        };
+        let headers = table.inner();
+        let read = |name: &str| headers.get(name).and_then(integer_of);
+        let Some(attempt) = read(ATTEMPT_HEADER) else {
+            return Counters::FIRST;
+        };
+        // Beyond u32 a counter saturates, below 1 an attempt reads as the first.
+        let counters = Counters {
+            attempt: u32::try_from(attempt.max(1)).unwrap_or(u32::MAX),
+            returns: read(crate::RETURNS_HEADER).map(|n| u32::try_from(n.max(0)).unwrap_or(u32::MAX)),
+        };
+        let sealed = match headers.get(SEAL_HEADER) {
+            Some(AMQPValue::LongString(seal)) => {
+                seal.as_bytes() == counters.seal(queue, &delivery.data).as_bytes()
+            }
+            _ => false,
+        };
+        if sealed { counters } else { Counters::FIRST }
+    }
+
+    /// Writes the counters and their seal for a copy of `body` that comes back to the
+    /// runner of work queue `queue`.
+    pub(crate) fn write_sealed(&self, headers: &mut FieldTable, queue: &str, body: &[u8]) {
+        headers.insert(
+            ATTEMPT_HEADER.into(),
+            AMQPValue::LongLongInt(i64::from(self.attempt)),
+        );
+        if let Some(returns) = self.returns {
+            headers.insert(
+                crate::RETURNS_HEADER.into(),
+                AMQPValue::LongLongInt(i64::from(returns)),
+            );
+        }
+        headers.insert(
+            SEAL_HEADER.into(),
+            AMQPValue::LongString(self.seal(queue, body).into()),
+        );
+    }
+
+    fn seal(&self, queue: &str, body: &[u8]) -> String {
+        let mut hasher = Xxh3::with_seed(0x6f6e_6365_6c79);
+        let returns = self.returns.map_or(-1, i64::from);
+        for part in [
+            queue.as_bytes(),
+            &self.attempt.to_be_bytes(),
+            &returns.to_be_bytes(),
+            body,
+        ] {
+            hasher.update(&(part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        format!("{:032x}", hasher.digest128())
+    }
 }
 
 #[cfg(test)]
@@ -73,23 +156,58 @@ mod tests {
     use super::*;
 
     #[test]
-    fn headers_keep_strings_and_numbers_and_read_the_attempt() {
+    fn headers_keep_strings_and_numbers() {
         let mut table = FieldTable::default();
         table.insert("x-order".into(), AMQPValue::LongString("o-1".into()));
         table.insert("x-count".into(), AMQPValue::LongInt(-3));
-        table.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(4));
         table.insert("x-nested".into(), AMQPValue::FieldTable(FieldTable::default()));
         let headers = to_headers(&table);
         assert_eq!(headers.get("x-order").map(|v| v.as_ref()), Some(&b"o-1"[..]));
         assert_eq!(headers.get("x-count").map(|v| v.as_ref()), Some(&b"-3"[..]));
         assert!(headers.get("x-nested").is_none());
-        assert_eq!(attempt_of(&table), Some(4));
-        assert_eq!(attempt_of(&FieldTable::default()), None);
-        // A producer's header is not trusted to fit: it saturates instead of overflowing.
-        let mut forged = FieldTable::default();
+    }
+
+    fn delivery(headers: FieldTable, body: &[u8]) -> AmqpDelivery {
+        let mut delivery = AmqpDelivery::mock(1, "".into(), "orders".into(), false, body.to_vec());
+        delivery.properties = lapin::BasicProperties::default().with_headers(headers);
+        delivery
+    }
+
+    #[test]
+    fn counters_are_read_only_under_their_seal() {
+        let counters = Counters {
+            attempt: 4,
+            returns: Some(2),
+        };
+        let mut sealed = FieldTable::default();
+        counters.write_sealed(&mut sealed, "orders", b"body");
+        assert_eq!(
+            Counters::of(&delivery(sealed.clone(), b"body"), "orders"),
+            counters
+        );
+        // Another body, another queue, or a counter changed after sealing: a first delivery.
+        assert_eq!(
+            Counters::of(&delivery(sealed.clone(), b"other"), "orders"),
+            Counters::FIRST
+        );
+        assert_eq!(
+            Counters::of(&delivery(sealed.clone(), b"body"), "payments"),
+            Counters::FIRST
+        );
+        let mut forged = sealed.clone();
         forged.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(i64::MAX));
-        assert_eq!(attempt_of(&forged), Some(u32::MAX));
-        forged.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(-5));
-        assert_eq!(attempt_of(&forged), Some(1));
+        assert_eq!(
+            Counters::of(&delivery(forged, b"body"), "orders"),
+            Counters::FIRST
+        );
+        // A producer's own counters, without a seal, change nothing.
+        let mut unsealed = FieldTable::default();
+        unsealed.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(9));
+        unsealed.insert(crate::RETURNS_HEADER.into(), AMQPValue::LongLongInt(9));
+        assert_eq!(
+            Counters::of(&delivery(unsealed, b"body"), "orders"),
+            Counters::FIRST
+        );
+        assert_eq!(to_delivery(&delivery(sealed, b"body"), "orders").attempt(), 4);
     }
 }

@@ -32,14 +32,14 @@ mod producer;
 mod runner;
 mod topology;
 
-pub use convert::{ATTEMPT_HEADER, to_delivery};
+pub use convert::{ATTEMPT_HEADER, SEAL_HEADER, to_delivery};
 pub use error::Error;
 pub use producer::{DEFAULT_KEY_HEADER, Producer};
 pub use runner::{
     DEFAULT_MAX_CONNECT_FAILURES, DEFAULT_MAX_DELIVERIES, ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER, RETURNS_HEADER, Runner, SETTLE_RETRY_DELAY,
 };
-pub use topology::Topology;
+pub use topology::{DeadLetterPolicy, Topology};
 
 pub use lapin;
 pub use oncely;

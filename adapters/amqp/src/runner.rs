@@ -8,8 +8,8 @@ use futures_lite::StreamExt;
 use lapin::Confirmation;
 use lapin::message::Delivery as AmqpDelivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions,
+    BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
-use crate::convert::{ATTEMPT_HEADER, integer_of, to_delivery};
+use crate::convert::{Counters, SEAL_HEADER, integer_of, to_delivery};
 use crate::error::Error;
 use crate::topology::Topology;
 
@@ -46,15 +46,18 @@ pub const DEFAULT_MAX_CONNECT_FAILURES: u32 = 10;
 /// dead-letter copy was not confirmed) to its queue.
 pub const SETTLE_RETRY_DELAY: Duration = Duration::from_secs(1);
 
+/// How often the runner looks for messages in an empty suspect queue.
+const SUSPECT_POLL: Duration = Duration::from_millis(500);
+
 /// The header quorum queues put on a message they deliver again: how many times it came
 /// back unsettled to this queue.
 const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 
-/// Header on the runner's copies (retry, suspect, dead letter): how many times the message
-/// came back unsettled before, in any of the topology's queues. The broker's own count
-/// starts again with every copy; this one carries it across retry hops, so a message that
-/// crashes its consumer only after waiting (for a flag or lock its crash left behind)
-/// still reaches the limit.
+/// Header on the runner's copies of a suspect (see [`Runner`]): how many times the message
+/// came back unsettled while it ran alone. The broker's own count starts again with every
+/// copy; this one carries it across retry hops, so a message that crashes its consumer only
+/// after waiting (for a flag or lock its crash left behind) still reaches the limit. Read
+/// only under a valid [`SEAL_HEADER`](crate::SEAL_HEADER).
 pub const RETURNS_HEADER: &str = "x-oncely-returns";
 
 /// Runs a route's stack over a RabbitMQ queue: the consumer loop you would write by hand,
@@ -67,25 +70,35 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// | dead letter | publishes a copy to the dead-letter queue with the dead-letter metadata of [`oncely::dead_letter`] as headers (source: the work queue), waits for the confirm, then acks |
 ///
 /// A delivery is acked only after the stack answered for it and, for a retry or a dead
-/// letter, only after the broker confirmed the copy. A copy the broker did not confirm (a
-/// memory alarm) is published again in place for about 15 s, without running the stack
-/// again; if it still fails, or no queue takes it, the delivery goes back to its queue after
-/// [`SETTLE_RETRY_DELAY`], which counts as an unsettled delivery (below). So a message is
-/// never lost between the two, and a broker that refuses copies gets no hot loop.
+/// letter, only after the broker confirmed the copy. A copy is published once: a confirm
+/// that is slow to come is waited for (about 15 s beyond the confirm timeout, warning as it
+/// goes) rather than answered with a second copy, and only a copy the broker refused (a
+/// negative confirm, such as a memory alarm's) is published again, for about 15 s, without
+/// running the stack again. If it still fails, or no queue takes it, the delivery goes back
+/// to its queue after [`SETTLE_RETRY_DELAY`] with `basic.reject` (which every RabbitMQ
+/// version counts in `x-delivery-count`; `basic.nack` stops counting in 4.3), an unsettled
+/// return (below). So a message is never lost between the two, a slow broker does not fill
+/// the retry and dead-letter queues with copies of one message, and a broker that refuses
+/// copies gets no hot loop.
 ///
 /// **Crashes and panics.** A panic in the stack is an outcome like any other failure
 /// ([`Route::handle`]). A consumer process that dies (OOM, abort, SIGKILL, a fault in a C
 /// library) leaves its deliveries unacked, and the broker delivers them again with
-/// `x-delivery-count`. Such a delivery — and every later copy of it, which carries the count
-/// in [`RETURNS_HEADER`] — is not run among the others: it is moved to the topology's
-/// suspect queue, which the runner consumes one message at a time (prefetch 1), and a
-/// suspect runs alone in the process (it waits for the deliveries in flight and holds back
-/// new ones). So a crash while a suspect runs is counted against that message, not against
-/// the ones that happened to be in flight beside it; a message that is merely caught in
-/// another's crash comes back once and then runs alone. A message that came back unsettled
-/// [`max_deliveries`](Runner::with_max_deliveries) times — crashes, lost channels, or copies
-/// the broker kept refusing — is dead-lettered with [`DeadLetterReason::DeliveryLimit`]
-/// without running again.
+/// `x-delivery-count` — the ones that were running and the ones it had only received. Such
+/// a delivery cannot be blamed yet: it is moved to the topology's suspect queue, and from
+/// then on every copy of it (its retries carry [`RETURNS_HEADER`]) runs alone. The runner
+/// takes a suspect (`basic.get`) only once nothing else runs in the process and holds back
+/// new work while it runs, so a crash while it runs is that message's own: only those
+/// crashes count. A message that came back unsettled [`max_deliveries`](Runner::with_max_deliveries)
+/// times while running alone — crashes, lost channels, or copies the broker kept refusing —
+/// is dead-lettered with [`DeadLetterReason::DeliveryLimit`] without running again. A
+/// message that is merely caught in another's crash runs alone once and is never
+/// dead-lettered for it.
+///
+/// **Headers a producer sets.** The runner's counters travel in headers of its own copies
+/// under a [`SEAL_HEADER`](crate::SEAL_HEADER); `x-delivery-count` is read only on a
+/// delivery the broker marks redelivered. A first delivery that carries such headers from
+/// its producer runs as a first delivery.
 ///
 /// **Reports and drain mode.** Every run returns a [`RunReport`]: processed, duplicates per
 /// tier, retries and dead letters per reason, wall time. With
@@ -120,7 +133,7 @@ where
 {
     /// A runner of `route` over `topology`'s work queue. Defaults: prefetch 64, 64 deliveries
     /// handled at once, [`DEFAULT_MAX_DELIVERIES`], 30 s for in-flight deliveries at
-    /// shutdown, 10 s per publisher confirm.
+    /// shutdown, a warning after 10 s without a publisher confirm.
     pub fn new(route: Route<S>, topology: Topology) -> Self {
         Runner {
             route,
@@ -150,13 +163,25 @@ where
         self
     }
 
-    /// How many times a message may come back unsettled — its consumer died, lost its
-    /// channel, or could not publish its retry copy — before it is dead-lettered with
-    /// [`DeadLetterReason::DeliveryLimit`] (default [`DEFAULT_MAX_DELIVERIES`]; values below
-    /// 1 are read as 1). A message that kills its process therefore runs at most this many
-    /// times. Independent of the route's attempts, which count failures the stack answered.
+    /// How many times a message may come back unsettled while it runs alone — its consumer
+    /// died, lost its channel, or could not publish its copy — before it is dead-lettered
+    /// with [`DeadLetterReason::DeliveryLimit`] (default [`DEFAULT_MAX_DELIVERIES`]; values
+    /// below 1 are read as 1). A message that kills its process therefore runs at most this
+    /// many times alone, after the one run among others that made it a suspect.
+    /// Independent of the route's attempts, which count failures the stack answered. Keep it
+    /// below 20: RabbitMQ 4.x dead-letters a message itself (without oncely's reason) once a
+    /// queue delivered it 20 times.
     pub fn with_max_deliveries(mut self, max_deliveries: u32) -> Self {
         self.max_deliveries = max_deliveries.max(1);
+        self
+    }
+
+    /// How long a publisher confirm of a retry or dead-letter copy may take before the
+    /// runner warns (default 10 s). The runner keeps waiting for that confirm about 15 s
+    /// more (a second copy would be a duplicate in the queue if the first was stored); then
+    /// it returns the delivery to its queue unsettled.
+    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
         self
     }
 
@@ -169,7 +194,9 @@ where
     }
 
     /// How long shutdown waits for in-flight deliveries before abandoning them unacked (the
-    /// broker redelivers them).
+    /// broker redelivers them, counted as returns). Deliveries the broker had sent ahead and
+    /// that never started are handed back at once: a copy to the work queue, then an ack, so
+    /// a deploy does not count against them.
     pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
         self
@@ -225,8 +252,8 @@ where
 
     /// Like [`run`](Runner::run), on a consumer you started yourself on `channel` (with your
     /// own `basic.qos`, consumer tag and arguments). It must consume the topology's work queue
-    /// without `no_ack`; the runner settles every delivery. The runner adds its own consumer
-    /// of the suspect queue on `channel`, with prefetch 1.
+    /// without `no_ack`; the runner settles every delivery. The runner also takes suspects
+    /// from the suspect queue on `channel`, one at a time (`basic.get`).
     pub async fn run_consumer(
         &self,
         channel: &Channel,
@@ -248,9 +275,6 @@ where
         // Retry and dead-letter copies are published on this channel and must be confirmed
         // before the original is acked.
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        // Prefetch applies per consumer to the consumers started after it.
-        channel.basic_qos(1, BasicQosOptions::default()).await?;
-        let suspects = consume(channel, self.topology.suspect_queue()).await?;
         // When one lane ends (shutdown, a failed channel), the other stops too.
         let stop = shutdown.child_token();
         // One pool of permits for both lanes: a suspect takes them all, so it runs alone and
@@ -263,8 +287,8 @@ where
             tally,
         };
         let (work, suspect, ()) = tokio::join!(
-            self.consume_lane(&lanes, consumer, Lane::Work),
-            self.consume_lane(&lanes, suspects, Lane::Suspect),
+            self.work_lane(&lanes, consumer),
+            self.suspect_lane(&lanes),
             self.stop_when_drained(channel, &stop, tally),
         );
         work.and(suspect)
@@ -291,9 +315,10 @@ where
         }
     }
 
-    /// Settles the deliveries of one lane until `stop` is cancelled or the consumer ends,
-    /// then drains what is in flight within the shutdown grace.
-    async fn consume_lane(&self, lanes: &Lanes<'_>, mut consumer: Consumer, lane: Lane) -> Result<(), Error> {
+    /// Settles the work queue's deliveries until `stop` is cancelled or the consumer ends,
+    /// hands back the ones received but not started, then drains what is in flight within
+    /// the shutdown grace.
+    async fn work_lane(&self, lanes: &Lanes<'_>, mut consumer: Consumer) -> Result<(), Error> {
         let Lanes {
             channel,
             permits,
@@ -302,38 +327,58 @@ where
         } = *lanes;
         let _stop_the_other_lane = stop.clone().drop_guard();
         let tag = consumer.tag();
-        let permits_per_delivery = match lane {
-            Lane::Work => 1,
-            Lane::Suspect => u32::try_from(self.concurrency).unwrap_or(u32::MAX),
-        };
         let mut in_flight = JoinSet::new();
+        // A delivery taken from the consumer that has not started: handed back at shutdown.
+        let mut not_started = None;
         let ended = loop {
             let next = tokio::select! {
                 () = stop.cancelled() => break Ok(()),
                 next = consumer.next() => next,
             };
-            match next {
-                Some(Ok(delivery)) => {
-                    let in_flight_here = tally.arrived();
-                    let permit = permits
-                        .clone()
-                        .acquire_many_owned(permits_per_delivery)
-                        .await
-                        .expect("the semaphore is never closed");
-                    let settle = self.settle_one(channel.clone(), delivery, lane, tally.clone());
-                    in_flight.spawn(async move {
-                        settle.await;
-                        drop((permit, in_flight_here));
-                    });
-                    while in_flight.try_join_next().is_some() {}
-                }
+            let delivery = match next {
+                Some(Ok(delivery)) => delivery,
                 Some(Err(error)) => break Err(Error::from(error)),
                 None => break Ok(()),
-            }
+            };
+            let in_flight_here = tally.arrived();
+            // A returned delivery only moves to the suspect queue: it needs no turn, so that
+            // it is not held (and caught in a suspect's crash) while it waits for one.
+            let permit = match self.suspicious(&delivery) {
+                true => None,
+                false => tokio::select! {
+                    () = stop.cancelled() => {
+                        not_started = Some(delivery);
+                        break Ok(());
+                    }
+                    permit = permits.clone().acquire_owned() => Some(permit.expect("the semaphore is never closed")),
+                },
+            };
+            let settle = self.settle_one(channel.clone(), delivery, Lane::Work, tally.clone());
+            in_flight.spawn(async move {
+                settle.await;
+                drop((permit, in_flight_here));
+            });
+            while in_flight.try_join_next().is_some() {}
         };
-        let _ = channel
+        let cancelled = channel
             .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
             .await;
+        if ended.is_ok() && cancelled.is_ok() {
+            // Cancelled, the consumer yields what the broker had sent ahead, then ends.
+            let mut sent_ahead: Vec<AmqpDelivery> = not_started.into_iter().collect();
+            while let Ok(Some(Ok(delivery))) =
+                tokio::time::timeout(self.confirm_timeout, consumer.next()).await
+            {
+                sent_ahead.push(delivery);
+            }
+            self.hand_back(channel, sent_ahead).await;
+        }
+        self.finish_in_flight(in_flight, tally).await;
+        ended
+    }
+
+    /// Waits up to the shutdown grace for `in_flight`, then abandons what still runs.
+    async fn finish_in_flight(&self, mut in_flight: JoinSet<()>, tally: &Tally) {
         let drained = tokio::time::timeout(self.shutdown_grace, async {
             while in_flight.join_next().await.is_some() {}
         })
@@ -346,7 +391,98 @@ where
             tally.abandoned(in_flight.len());
             in_flight.shutdown().await;
         }
-        ended
+    }
+
+    /// Returns deliveries that never started to the work queue without a return counted
+    /// against them: a copy with the same counters, then an ack. One that cannot be copied
+    /// stays unacked, and the broker redelivers it when the channel closes.
+    async fn hand_back(&self, channel: &Channel, deliveries: Vec<AmqpDelivery>) {
+        let mut handed_back = 0;
+        for delivery in &deliveries {
+            let settle = self.settle(channel, delivery);
+            let counters = Counters::of(delivery, self.topology.queue());
+            match settle
+                .forward(self.topology.queue(), settle.sealed_copy(counters))
+                .await
+            {
+                Ok(()) => handed_back += 1,
+                Err(error) => tracing::warn!(%error, "could not hand back a delivery that never started"),
+            }
+        }
+        if !deliveries.is_empty() {
+            tracing::info!(handed_back, "handed back the deliveries received but not started");
+        }
+    }
+
+    /// Takes suspects one at a time, each only once it can run alone, until `stop` is
+    /// cancelled; the one running then gets the shutdown grace.
+    async fn suspect_lane(&self, lanes: &Lanes<'_>) -> Result<(), Error> {
+        let Lanes {
+            channel,
+            permits,
+            stop,
+            tally,
+        } = *lanes;
+        let _stop_the_other_lane = stop.clone().drop_guard();
+        let every_permit = u32::try_from(self.concurrency).unwrap_or(u32::MAX);
+        let queue = self.topology.suspect_queue();
+        loop {
+            // Looking costs no turn of the work lane; taking one waits until nothing runs.
+            let Some(ready) = stop.run_until_cancelled(ready_in(channel, queue)).await else {
+                return Ok(());
+            };
+            if ready? == 0 {
+                if stop
+                    .run_until_cancelled(tokio::time::sleep(SUSPECT_POLL))
+                    .await
+                    .is_none()
+                {
+                    return Ok(());
+                }
+                continue;
+            }
+            let Some(alone) = stop
+                .run_until_cancelled(permits.clone().acquire_many_owned(every_permit))
+                .await
+            else {
+                return Ok(());
+            };
+            // Nothing else runs in this process from here on: a crash is this message's.
+            let get = BasicGetOptions { no_ack: false };
+            let Some(suspect) = channel.basic_get(queue.into(), get).await? else {
+                continue;
+            };
+            let in_flight_here = tally.arrived();
+            let settle = self.settle_one(channel.clone(), suspect.delivery, Lane::Suspect, tally.clone());
+            let grace_after_stop = async {
+                stop.cancelled().await;
+                tokio::time::sleep(self.shutdown_grace).await;
+            };
+            tokio::select! {
+                () = settle => {}
+                () = grace_after_stop => {
+                    tracing::warn!("shutdown grace ran out; abandoning the suspect unacked for redelivery");
+                    tally.abandoned(1);
+                }
+            }
+            drop((alone, in_flight_here));
+        }
+    }
+
+    /// True when `delivery` goes to the suspect queue rather than run among others: it came
+    /// back unsettled to the work queue, or it was a suspect before.
+    fn suspicious(&self, delivery: &AmqpDelivery) -> bool {
+        returned_here(delivery) > 0 || Counters::of(delivery, self.topology.queue()).returns.is_some()
+    }
+
+    fn settle<'a>(&'a self, channel: &'a Channel, delivery: &'a AmqpDelivery) -> Settle<'a> {
+        Settle {
+            channel,
+            delivery,
+            topology: &self.topology,
+            route: self.route.name(),
+            confirm_timeout: self.confirm_timeout,
+        }
     }
 
     /// Runs on connections from `connect` until `shutdown` is cancelled: declares the
@@ -431,9 +567,9 @@ where
         ran
     }
 
-    /// Handles one delivery and settles it; never fails: a failed settlement is a `nack`
-    /// back to the queue after [`SETTLE_RETRY_DELAY`], or, with the channel gone, a
-    /// redelivery by the broker.
+    /// Handles one delivery and settles it; never fails: a failed settlement is a
+    /// `basic.reject` back to the queue after [`SETTLE_RETRY_DELAY`], or, with the channel
+    /// gone, a redelivery by the broker.
     fn settle_one(
         &self,
         channel: Channel,
@@ -445,6 +581,7 @@ where
         let topology = self.topology.clone();
         let max_deliveries = self.max_deliveries;
         let confirm_timeout = self.confirm_timeout;
+        let suspicious = lane == Lane::Work && self.suspicious(&delivery);
         async move {
             let settle = Settle {
                 channel: &channel,
@@ -453,24 +590,37 @@ where
                 route: route.name(),
                 confirm_timeout,
             };
-            let returns = returns(&delivery);
+            let counters = Counters::of(&delivery, topology.queue());
             let decision = match lane {
-                Lane::Work if returns > 0 => Decision::ToSuspects,
-                Lane::Suspect if returns >= max_deliveries => Decision::Answer {
-                    outcome: Outcome::DeadLetter(DeadLetter {
-                        reason: DeadLetterReason::DeliveryLimit,
-                        detail: format!(
-                            "came back {returns} times without being settled: its consumer died or lost \
-                             its channel, or the broker refused its retry copy, each time"
-                        ),
-                    }),
-                    attempt: delivery_attempt(&delivery),
+                Lane::Work if suspicious => Decision::ToSuspects(Counters {
+                    returns: Some(counters.returns.unwrap_or(0)),
+                    ..counters
+                }),
+                Lane::Work => Decision::Answer {
+                    outcome: route.handle(to_delivery(&delivery, topology.queue())).await,
+                    counters,
                 },
-                Lane::Work | Lane::Suspect => {
-                    let converted = to_delivery(&delivery, topology.queue());
-                    let attempt = converted.attempt();
-                    let outcome = route.handle(converted).await;
-                    Decision::Answer { outcome, attempt }
+                Lane::Suspect => {
+                    // Crashes while it ran alone: in earlier queues, and in this one.
+                    let returns = counters
+                        .returns
+                        .unwrap_or(0)
+                        .saturating_add(returned_here(&delivery));
+                    let counters = Counters {
+                        returns: Some(returns),
+                        ..counters
+                    };
+                    let outcome = match returns >= max_deliveries {
+                        true => Outcome::DeadLetter(DeadLetter {
+                            reason: DeadLetterReason::DeliveryLimit,
+                            detail: format!(
+                                "came back {returns} times without being settled while it ran alone: its \
+                                 consumer died or lost its channel, or the broker refused its copy, each time"
+                            ),
+                        }),
+                        false => route.handle(to_delivery(&delivery, topology.queue())).await,
+                    };
+                    Decision::Answer { outcome, counters }
                 }
             };
             if !settle.apply_until_settled(&decision).await {
@@ -478,7 +628,7 @@ where
                 return;
             }
             match decision {
-                Decision::ToSuspects => tally.retried("returned_unsettled"),
+                Decision::ToSuspects(_) => tally.retried("returned_unsettled"),
                 Decision::Answer { outcome, .. } => tally.settled(&outcome),
             }
         }
@@ -498,10 +648,12 @@ struct Lanes<'a> {
 
 /// How a delivery is to be settled.
 enum Decision {
-    /// Moved to the suspect queue: it came back unsettled.
-    ToSuspects,
-    /// Settled by the action of the stack's outcome (or the delivery limit's), at `attempt`.
-    Answer { outcome: Outcome, attempt: u32 },
+    /// Moved to the suspect queue with these counters: it came back unsettled, or was a
+    /// suspect before.
+    ToSuspects(Counters),
+    /// Settled by the action of the stack's outcome (or the delivery limit's); its copies
+    /// start from `counters`.
+    Answer { outcome: Outcome, counters: Counters },
 }
 
 /// The pauses before settling again in place when the broker did not confirm a copy (a
@@ -514,12 +666,16 @@ const SETTLE_BACKOFF: [Duration; 4] = [
     Duration::from_secs(8),
 ];
 
-/// True when settling again on the same channel may pass.
+/// True when settling again on the same channel may pass: the broker refused the copy (a
+/// memory alarm). Not after a confirm that never came: the copy may be stored, and a second
+/// one would be a duplicate in its queue.
 fn worth_settling_again(error: &Error) -> bool {
     match error {
-        Error::Nacked | Error::ConfirmTimeout(_) => true,
-        // The channel is gone (the broker redelivers), or the copy has no queue.
-        Error::Amqp(_)
+        Error::Nacked => true,
+        // The channel is gone (the broker redelivers), the copy has no queue, or it may be
+        // stored already.
+        Error::ConfirmTimeout(_)
+        | Error::Amqp(_)
         | Error::Unroutable { .. }
         | Error::PublishGaveUp { .. }
         | Error::ConnectGaveUp { .. } => false,
@@ -539,21 +695,31 @@ async fn consume(channel: &Channel, queue: &str) -> Result<Consumer, Error> {
         .await?)
 }
 
-/// How many times this message came back unsettled: in earlier queues (carried by the
-/// runner's copies) and in this one (counted by the broker).
-fn returns(delivery: &AmqpDelivery) -> u32 {
-    let earlier = header_u32(delivery, RETURNS_HEADER).unwrap_or(0);
-    earlier.saturating_add(header_u32(delivery, DELIVERY_COUNT_HEADER).unwrap_or(0))
+/// How many times the broker returned `delivery` to the queue it came from, unsettled. Read
+/// only on a delivery the broker marks redelivered: on a first delivery the header is the
+/// producer's.
+fn returned_here(delivery: &AmqpDelivery) -> u32 {
+    if !delivery.redelivered {
+        return 0;
+    }
+    let count = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|headers| headers.inner().get(DELIVERY_COUNT_HEADER).and_then(integer_of));
+    count.map_or(0, |count| u32::try_from(count.max(0)).unwrap_or(u32::MAX))
 }
 
-/// The oncely attempt number a delivery carries, 1 when absent.
-fn delivery_attempt(delivery: &AmqpDelivery) -> u32 {
-    header_u32(delivery, ATTEMPT_HEADER).unwrap_or(1)
-}
-
-fn header_u32(delivery: &AmqpDelivery, name: &str) -> Option<u32> {
-    let value = delivery.properties.headers().as_ref()?.inner().get(name)?;
-    integer_of(value).map(|value| u32::try_from(value.max(0)).unwrap_or(u32::MAX))
+/// How many messages are ready in `queue`, by a passive declaration.
+async fn ready_in(channel: &Channel, queue: &str) -> Result<u32, Error> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await?;
+    Ok(declared.message_count())
 }
 
 /// One delivery's settlement with the broker.
@@ -585,11 +751,13 @@ impl Settle<'_> {
         if let Err(error) = settled {
             tracing::warn!(%error, "could not settle the delivery; returning it to the queue");
             tokio::time::sleep(SETTLE_RETRY_DELAY).await;
-            let requeue = BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            };
-            let _ = self.delivery.acker.nack(requeue).await;
+            // Reject, not nack: from RabbitMQ 4.3 on, a nack's return no longer counts in
+            // `x-delivery-count`, and the limit that ends this loop would never be reached.
+            let _ = self
+                .delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: true })
+                .await;
             return false;
         }
         true
@@ -597,29 +765,41 @@ impl Settle<'_> {
 
     async fn apply(&self, decision: &Decision) -> Result<(), Error> {
         match decision {
-            Decision::ToSuspects => self.to_suspects().await,
-            Decision::Answer { outcome, attempt } => {
+            Decision::ToSuspects(counters) => {
+                self.forward(self.topology.suspect_queue(), self.sealed_copy(*counters))
+                    .await
+            }
+            Decision::Answer { outcome, counters } => {
                 // A wait for another holder is not a failure: it keeps its attempt number.
                 let wait = outcome.retry_reason().is_some_and(RetryReason::is_wait);
-                self.action(&outcome.action(), wait, *attempt).await
+                self.action(&outcome.action(), wait, *counters).await
             }
         }
     }
 
     /// Acks, or forwards a copy for a retry or a dead letter and then acks.
-    async fn action(&self, action: &BrokerAction, wait: bool, attempt: u32) -> Result<(), Error> {
+    async fn action(&self, action: &BrokerAction, wait: bool, counters: Counters) -> Result<(), Error> {
+        let attempt = counters.attempt;
         match action {
             BrokerAction::Ack => {
                 self.delivery.acker.ack(BasicAckOptions::default()).await?;
                 Ok(())
             }
             BrokerAction::Retry { delay } => {
-                let next = if wait { attempt } else { attempt.saturating_add(1) };
+                let next = Counters {
+                    attempt: if wait { attempt } else { attempt.saturating_add(1) },
+                    ..counters
+                };
                 let queue = self.topology.retry_queue_for(*delay, attempt);
-                self.forward(queue, copy_headers(self.delivery, next)).await
+                self.forward(queue, self.sealed_copy(next)).await
             }
             BrokerAction::DeadLetter(dead) => {
-                let mut headers = copy_headers(self.delivery, attempt);
+                // Unsealed: replayed from the dead-letter queue, it starts afresh.
+                let mut headers = copy_headers(self.delivery);
+                headers.insert(
+                    crate::ATTEMPT_HEADER.into(),
+                    AMQPValue::LongLongInt(i64::from(attempt)),
+                );
                 let message_id = self.delivery.properties.message_id().as_ref();
                 let context = dead_letter::Context {
                     route: self.route,
@@ -635,14 +815,16 @@ impl Settle<'_> {
         }
     }
 
-    /// Moves a delivery that came back unsettled to the suspect queue, keeping its attempt.
-    async fn to_suspects(&self) -> Result<(), Error> {
-        let headers = copy_headers(self.delivery, delivery_attempt(self.delivery));
-        self.forward(self.topology.suspect_queue(), headers).await
+    /// The headers of a copy that comes back to the runner, with `counters` sealed.
+    fn sealed_copy(&self, counters: Counters) -> FieldTable {
+        let mut headers = copy_headers(self.delivery);
+        counters.write_sealed(&mut headers, self.topology.queue(), &self.delivery.data);
+        headers
     }
 
     /// Publishes a copy of the delivery to `queue` with `headers`, waits for the broker's
-    /// confirm, then acks the original.
+    /// confirm — patiently: a confirm that is late is waited for, not answered with a second
+    /// copy — then acks the original.
     async fn forward(&self, queue: &str, headers: FieldTable) -> Result<(), Error> {
         let properties = self
             .delivery
@@ -650,24 +832,29 @@ impl Settle<'_> {
             .clone()
             .with_headers(headers)
             .with_delivery_mode(2);
-        publish_confirmed(
-            self.channel,
-            "",
-            queue,
-            &self.delivery.data,
-            properties,
-            self.confirm_timeout,
-        )
-        .await?;
+        let patience = self.confirm_timeout + SETTLE_BACKOFF.iter().sum::<Duration>();
+        let confirm = publish(self.channel, "", queue, &self.delivery.data, properties).await?;
+        let mut confirm = std::pin::pin!(confirm);
+        let started = std::time::Instant::now();
+        let confirmation = loop {
+            match tokio::time::timeout(self.confirm_timeout, &mut confirm).await {
+                Ok(confirmation) => break confirmation,
+                Err(_) if started.elapsed() < patience => {
+                    tracing::warn!(queue, waited = ?started.elapsed(), "the broker is slow to confirm a copy; waiting for it");
+                }
+                Err(_) => return Err(Error::ConfirmTimeout(started.elapsed())),
+            }
+        };
+        confirmed(confirmation, "", queue)?;
         self.delivery.acker.ack(BasicAckOptions::default()).await?;
         Ok(())
     }
 }
 
-/// The delivery's headers for its copy: the attempt number and the original exchange and
-/// routing key (kept from an earlier copy). A dead letter adds its metadata to them.
-fn copy_headers(delivery: &AmqpDelivery, attempt: u32) -> FieldTable {
-    let returns = returns(delivery);
+/// The delivery's headers for a copy: its own, less the broker's count and the runner's
+/// counters (set again by the caller), with the original exchange and routing key (kept
+/// from an earlier copy).
+fn copy_headers(delivery: &AmqpDelivery) -> FieldTable {
     let mut headers = delivery
         .properties
         .headers()
@@ -675,17 +862,17 @@ fn copy_headers(delivery: &AmqpDelivery, attempt: u32) -> FieldTable {
         .unwrap_or_default()
         .inner()
         .clone();
-    // The broker's count belongs to the delivery, not the copy (a new message to the broker):
-    // it is carried over in the runner's own header.
-    headers.remove(DELIVERY_COUNT_HEADER);
-    let mut headers = FieldTable::from(headers);
-    let mut set = |name: &str, value: AMQPValue| {
-        headers.insert(name.into(), value);
-    };
-    set(ATTEMPT_HEADER, AMQPValue::LongLongInt(i64::from(attempt)));
-    if returns > 0 {
-        set(RETURNS_HEADER, AMQPValue::LongLongInt(i64::from(returns)));
+    // The broker's count belongs to the delivery, not the copy (a new message to the broker);
+    // the runner's counters are the caller's to set, sealed or not.
+    for name in [
+        DELIVERY_COUNT_HEADER,
+        RETURNS_HEADER,
+        SEAL_HEADER,
+        crate::ATTEMPT_HEADER,
+    ] {
+        headers.remove(name);
     }
+    let mut headers = FieldTable::from(headers);
     if !headers.contains_key(ORIGINAL_EXCHANGE_HEADER) {
         headers.insert(
             ORIGINAL_EXCHANGE_HEADER.into(),
@@ -710,27 +897,42 @@ pub(crate) async fn publish_confirmed(
     properties: lapin::BasicProperties,
     confirm_timeout: Duration,
 ) -> Result<(), Error> {
-    let confirm = channel
-        .basic_publish(
-            exchange.into(),
-            routing_key.into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            body,
-            properties,
-        )
-        .await?;
+    let confirm = publish(channel, exchange, routing_key, body, properties).await?;
     match tokio::time::timeout(confirm_timeout, confirm).await {
         Err(_) => Err(Error::ConfirmTimeout(confirm_timeout)),
-        Ok(confirmation) => match confirmation? {
-            Confirmation::Nack(_) => Err(Error::Nacked),
-            Confirmation::Ack(Some(_)) => Err(Error::Unroutable {
-                exchange: exchange.to_owned(),
-                routing_key: routing_key.to_owned(),
-            }),
-            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-        },
+        Ok(confirmation) => confirmed(confirmation, exchange, routing_key),
+    }
+}
+
+/// Publishes as mandatory; the returned confirm is the broker's answer.
+async fn publish(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: lapin::BasicProperties,
+) -> Result<lapin::PublisherConfirm, Error> {
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    };
+    Ok(channel
+        .basic_publish(exchange.into(), routing_key.into(), mandatory, body, properties)
+        .await?)
+}
+
+/// What a publisher confirm says: stored, refused, or returned unroutable.
+fn confirmed(
+    confirmation: lapin::Result<Confirmation>,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), Error> {
+    match confirmation? {
+        Confirmation::Nack(_) => Err(Error::Nacked),
+        Confirmation::Ack(Some(_)) => Err(Error::Unroutable {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        }),
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
     }
 }

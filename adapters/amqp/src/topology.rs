@@ -22,17 +22,26 @@ use crate::error::Error;
 ///
 /// All are durable quorum queues (RabbitMQ 3.10 or later): the broker counts each message's
 /// unsettled deliveries (`x-delivery-count`), which is how a message that kills its
-/// consumer is found, and the retry queues dead-letter *at least once*
-/// (`x-dead-letter-strategy: at-least-once`, `x-overflow: reject-publish`): the broker keeps
-/// a message in the retry queue until the work queue has confirmed it, so a missing work
-/// queue delays retries (RabbitMQ tries again about every three minutes) instead of dropping
-/// them. Tested on RabbitMQ 3.10; the work and suspect queues dead-letter to the dead-letter
-/// queue should a later broker drop a message from them by its own delivery limit.
+/// consumer is found. Every queue but the dead-letter queue dead-letters *at least once*
+/// (`x-dead-letter-strategy: at-least-once`, `x-overflow: reject-publish`): the retry queues
+/// to the work queue when their delay runs out — the broker keeps a message in the retry
+/// queue until the work queue has confirmed it, so a missing work queue delays retries
+/// (RabbitMQ tries again about every three minutes) instead of dropping them —, and the work
+/// and suspect queues to the dead-letter queue, as a safety net: RabbitMQ 4.0 and later give
+/// every quorum queue a delivery limit of 20 and **drop** a message past it unless the queue
+/// dead-letters. Past that limit the broker's copy reaches the dead-letter queue without
+/// oncely's reason headers (the broker's `x-death` and `x-first-death-reason:
+/// delivery_limit` say why), so keep [`Runner::with_max_deliveries`](crate::Runner::with_max_deliveries)
+/// below 20. Tested on RabbitMQ 3.10 and 4.0.
 ///
 /// [`declare`](Topology::declare) is idempotent as long as the queues were declared with the
-/// same arguments; a queue of the same name with other arguments (a classic queue declared
-/// by an earlier version) makes the broker refuse (`PRECONDITION_FAILED`): move its messages
-/// and delete it first.
+/// same arguments; a queue of the same name with other arguments makes the broker refuse
+/// (`PRECONDITION_FAILED`), and RabbitMQ never changes a declared queue's arguments. Work and
+/// suspect queues declared by oncely 0.1 (before the safety net) are such queues: keep them
+/// with [`with_safety_net_by_policy`](Topology::with_safety_net_by_policy) and apply
+/// [`dead_letter_policy`](Topology::dead_letter_policy) once, or move their messages and
+/// delete them. A classic queue of the same name (declared by hand) must be moved and
+/// deleted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     queue: String,
@@ -41,6 +50,40 @@ pub struct Topology {
     retry_delays: Vec<Duration>,
     /// The retry queues' names, in the order of `retry_delays`.
     retry_queues: Vec<String>,
+    /// Whether the work and suspect queues are declared with their dead-letter arguments
+    /// (false: a policy gives them, for queues declared before the arguments existed).
+    safety_net_declared: bool,
+}
+
+/// A RabbitMQ policy that gives the work and suspect queues of a [`Topology`] their
+/// dead-letter target, for queues declared without it (see
+/// [`Topology::with_safety_net_by_policy`]). Apply it with
+/// [`rabbitmqctl_arguments`](DeadLetterPolicy::rabbitmqctl_arguments) or the management API.
+///
+/// RabbitMQ applies one policy per queue (the highest priority's): if your own policies
+/// match these queues, add the definition's keys to yours instead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadLetterPolicy {
+    /// The policy's name: `oncely-dead-letter-QUEUE`.
+    pub name: String,
+    /// The regular expression of queue names it applies to: exactly the work and suspect
+    /// queues.
+    pub pattern: String,
+    /// Its definition, as JSON.
+    pub definition: String,
+}
+
+impl DeadLetterPolicy {
+    /// The arguments of `rabbitmqctl` that set the policy (for queues, priority 1):
+    /// `set_policy --apply-to queues --priority 1 NAME PATTERN DEFINITION`. The broker
+    /// applies it to the queues shortly after it answered.
+    pub fn rabbitmqctl_arguments(&self) -> Vec<String> {
+        ["set_policy", "--apply-to", "queues", "--priority", "1"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain([self.name.clone(), self.pattern.clone(), self.definition.clone()])
+            .collect()
+    }
 }
 
 impl Topology {
@@ -52,6 +95,7 @@ impl Topology {
             dead_letter_queue: format!("{queue}.dlq"),
             retry_delays: Vec::new(),
             retry_queues: Vec::new(),
+            safety_net_declared: true,
             queue,
         }
         .with_retry_delays([1, 5, 30, 120].map(Duration::from_secs))
@@ -76,6 +120,39 @@ impl Topology {
             self.retry_delays = delays;
         }
         self
+    }
+
+    /// Declares the work and suspect queues without their dead-letter arguments, as oncely 0.1
+    /// did, so that [`declare`](Topology::declare) accepts queues declared then; their safety
+    /// net then comes from [`dead_letter_policy`](Topology::dead_letter_policy), which you
+    /// apply once. Without either, RabbitMQ 4.x drops a message past its delivery limit.
+    pub fn with_safety_net_by_policy(mut self) -> Self {
+        self.safety_net_declared = false;
+        self
+    }
+
+    /// The policy that gives this topology's work and suspect queues the dead-letter target
+    /// that [`declare`](Topology::declare) gives new ones; see [`DeadLetterPolicy`].
+    pub fn dead_letter_policy(&self) -> DeadLetterPolicy {
+        let escaped: String = self
+            .queue
+            .chars()
+            .flat_map(|c| {
+                let special = "\\.^$|?*+()[]{}".contains(c);
+                special.then_some('\\').into_iter().chain([c])
+            })
+            .collect();
+        let definition = serde_json::json!({
+            "dead-letter-exchange": "",
+            "dead-letter-routing-key": self.dead_letter_queue,
+            "dead-letter-strategy": "at-least-once",
+            "overflow": "reject-publish",
+        });
+        DeadLetterPolicy {
+            name: format!("oncely-dead-letter-{}", self.queue),
+            pattern: format!("^{escaped}(\\.suspect)?$"),
+            definition: definition.to_string(),
+        }
     }
 
     /// The work queue.
@@ -156,25 +233,22 @@ impl Topology {
             durable: true,
             ..QueueDeclareOptions::default()
         };
-        for queue in [self.queue(), self.suspect_queue(), self.dead_letter_queue()] {
-            channel.queue_declare(queue.into(), durable, quorum()).await?;
-        }
-        for (delay, queue) in self.retry_delays.iter().zip(self.retry_queues()) {
-            let mut arguments = quorum();
-            let mut set = |name: &str, value: AMQPValue| {
-                arguments.insert(name.into(), value);
+        for queue in [self.queue(), self.suspect_queue()] {
+            let arguments = match self.safety_net_declared {
+                true => dead_lettering_to(self.dead_letter_queue()),
+                false => quorum(),
             };
-            set("x-message-ttl", AMQPValue::LongLongInt(delay.as_millis() as i64));
-            set("x-dead-letter-exchange", AMQPValue::LongString("".into()));
-            set(
-                "x-dead-letter-routing-key",
-                AMQPValue::LongString(self.queue.as_str().into()),
+            channel.queue_declare(queue.into(), durable, arguments).await?;
+        }
+        channel
+            .queue_declare(self.dead_letter_queue().into(), durable, quorum())
+            .await?;
+        for (delay, queue) in self.retry_delays.iter().zip(self.retry_queues()) {
+            let mut arguments = dead_lettering_to(self.queue());
+            arguments.insert(
+                "x-message-ttl".into(),
+                AMQPValue::LongLongInt(delay.as_millis() as i64),
             );
-            set(
-                "x-dead-letter-strategy",
-                AMQPValue::LongString("at-least-once".into()),
-            );
-            set("x-overflow", AMQPValue::LongString("reject-publish".into()));
             channel.queue_declare(queue.into(), durable, arguments).await?;
         }
         Ok(())
@@ -194,6 +268,22 @@ impl Topology {
 fn quorum() -> FieldTable {
     let mut arguments = FieldTable::default();
     arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    arguments
+}
+
+/// A quorum queue's arguments to dead-letter through the default exchange to `queue`, at
+/// least once: the broker keeps the message until `queue` confirmed it (which needs
+/// `reject-publish` overflow).
+fn dead_lettering_to(queue: &str) -> FieldTable {
+    let mut arguments = quorum();
+    for (name, value) in [
+        ("x-dead-letter-exchange", ""),
+        ("x-dead-letter-routing-key", queue),
+        ("x-dead-letter-strategy", "at-least-once"),
+        ("x-overflow", "reject-publish"),
+    ] {
+        arguments.insert(name.into(), AMQPValue::LongString(value.into()));
+    }
     arguments
 }
 
@@ -223,5 +313,16 @@ mod tests {
             Some("orders.retry.5000ms")
         );
         assert_eq!(topology.retry_queue(Duration::from_secs(2)), None);
+    }
+
+    #[test]
+    fn the_dead_letter_policy_matches_exactly_the_work_and_suspect_queues() {
+        let policy = Topology::new("shop.orders").dead_letter_policy();
+        assert_eq!(policy.pattern, r"^shop\.orders(\.suspect)?$");
+        assert_eq!(policy.name, "oncely-dead-letter-shop.orders");
+        let definition: serde_json::Value = serde_json::from_str(&policy.definition).unwrap();
+        assert_eq!(definition["dead-letter-routing-key"], "shop.orders.dlq");
+        assert_eq!(definition["dead-letter-exchange"], "");
+        assert_eq!(policy.rabbitmqctl_arguments()[0], "set_policy");
     }
 }
