@@ -296,6 +296,72 @@ async fn a_commit_whose_answer_is_lost_is_never_applied_twice() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_loses_a_deadlock_runs_its_deliveries_alone() {
+    let (schema, pool) = stock_schema(8).await;
+    // One lane, kept busy by o-0 while o-1 and o-2 queue: they open the next batch together.
+    let handler = handler_fn(|envelope: Envelope| async move {
+        if envelope.key().as_str() == "o-0" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        insert_stock_move(&envelope).await
+    });
+    let layer = PgTransactionalLayer::new(pool.clone(), schema.records())
+        .batched()
+        .with_lanes(1);
+    let batched = route(integration_tests::postgres::boxed(tower::Layer::layer(
+        &layer, handler,
+    )));
+    // Another transaction (another lane's, in production) holds o-2's record row, and waits
+    // longer than the batch before it looks for deadlocks, so that the batch is the one
+    // PostgreSQL fails.
+    let other = schema_pool(schema.name(), 1).get().await.unwrap();
+    let hold = "INSERT INTO consumption_record (message_key, status, payload_fingerprint) VALUES ($1, 'PROCESSING', 'x')";
+    other
+        .batch_execute("SET deadlock_timeout = '10s'; BEGIN")
+        .await
+        .unwrap();
+    other.execute(hold, &[&"o-2"]).await.unwrap();
+    let busy = {
+        let batched = batched.clone();
+        tokio::spawn(async move { batched.handle(order("o-0")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The batch claims o-1, then waits for o-2.
+    let handling = {
+        let batched = batched.clone();
+        tokio::spawn(async move { handle_all(&batched, vec![order("o-1"), order("o-2")]).await })
+    };
+    assert_eq!(busy.await.unwrap(), Outcome::Processed);
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1";
+    let claim_here = format!("INSERT INTO %{}%", schema.name());
+    for _ in 0..100 {
+        if other
+            .query_one(waiting, &[&claim_here])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            > 0
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Taking o-1 closes the cycle: the batch's claim fails after its deadlock_timeout (1 s),
+    // this insert then goes through, and its rollback lets the deliveries in.
+    other.execute(hold, &[&"o-1"]).await.unwrap();
+    other.batch_execute("ROLLBACK").await.unwrap();
+    let outcomes = handling.await.unwrap();
+    assert_eq!(
+        outcomes,
+        [Outcome::Processed, Outcome::Processed],
+        "no attempt spent on a deadlock"
+    );
+    let moves = moves(&schema).await;
+    assert_eq!(moves.len(), 3);
+    assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+}
+
 /// The set handler of the tests: one `INSERT … SELECT FROM unnest` for the whole batch; a
 /// body without a `sku` fails the batch (as a `?` on a parse error would).
 async fn insert_stock_moves(tx: PgTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {

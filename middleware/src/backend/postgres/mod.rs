@@ -14,12 +14,32 @@ mod status_columns;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use deadpool_postgres::tokio_postgres::NoTls;
+use deadpool_postgres::tokio_postgres::error::SqlState;
 use deadpool_postgres::{Object, Pool};
 
 use crate::error::StoreError;
 pub use migrate::{migrate, migrate_state};
 pub use names::{Ident, Table};
 pub use status_columns::StatusColumns;
+
+/// True when `error` is PostgreSQL ending a transaction to break a deadlock or a
+/// serialization conflict with another: nothing is wrong with the store, and the same work
+/// in other company (or a moment later) passes.
+pub(crate) fn lost_to_another_transaction(error: &StoreError) -> bool {
+    match error {
+        StoreError::Failed { source } => source
+            .downcast_ref::<deadpool_postgres::tokio_postgres::Error>()
+            .and_then(|error| error.code())
+            .is_some_and(|code| {
+                [
+                    SqlState::T_R_DEADLOCK_DETECTED,
+                    SqlState::T_R_SERIALIZATION_FAILURE,
+                ]
+                .contains(code)
+            }),
+        StoreError::Malformed { .. } => false,
+    }
+}
 
 /// A pooled connection that goes back to the pool only once its user has said the session
 /// is clean: no transaction open, no statement still running.

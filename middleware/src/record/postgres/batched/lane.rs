@@ -13,8 +13,8 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 use super::super::transactional::{
     PgTransactionalLayer, ROLLBACK, abandon, claim_request, commit, end, open,
 };
-use crate::backend::postgres::Checkout;
 use crate::backend::postgres::record::{ClaimRequest, claim_batch};
+use crate::backend::postgres::{Checkout, lost_to_another_transaction};
 use crate::envelope::{BusinessKey, Envelope};
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::store::{Begin, RecordStatus};
@@ -244,6 +244,16 @@ impl<W: Writer> Lane<W> {
         let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
         let (transaction, claimed) = match open(&self.record.pool, &self.record.statements, &requests).await {
             Ok(opened) => opened,
+            // Another lane's joiners locked keys in another order, and PostgreSQL broke the
+            // deadlock by failing this claim: nothing is wrong with the store or the
+            // deliveries, which run alone as a batch's do when it fails for no fault of theirs.
+            Err(error) if lost_to_another_transaction(&error) => {
+                tracing::debug!(%error, "a batch lost its claim to another transaction; its deliveries run alone");
+                for joiner in fresh {
+                    let _ = joiner.reply.send(Word::Alone);
+                }
+                return later;
+            }
             Err(error) => {
                 answer_all(fresh, &store_unavailable(Tier::Record, &error));
                 return later;
