@@ -85,6 +85,19 @@ impl ScratchRocketMq {
         }
     }
 
+    /// A second started producer, on the test's runtime, that takes bodies up to
+    /// `max_message_size` bytes (the test's own producer, and so its dead-letter
+    /// destination, keeps the client's default of 4 MiB).
+    pub async fn producer_for_bodies_up_to(&self, max_message_size: u32) -> DefaultMQProducer {
+        let mut producer = DefaultMQProducer::builder(self.runtime.client_runtime())
+            .producer_group(format!("oncely_test_big_producer_{}", oncely::Token::random()))
+            .name_server_addr(namesrv_addr())
+            .max_message_size(max_message_size)
+            .build();
+        producer.start().await.expect("a second producer");
+        producer
+    }
+
     /// Consumers started from now on hand their listeners up to `size` messages at once
     /// (`consume_message_batch_max_size`; 1 by default).
     pub fn with_batch_size(mut self, size: u32) -> Self {

@@ -443,6 +443,43 @@ async fn poison_goes_to_the_dead_letter_topic_with_the_reason() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_too_big_for_its_producer_is_cut_to_fit_not_retried_forever() {
+    let mut rocketmq = ScratchRocketMq::new("oversize").await;
+    let dead_letters = rocketmq.collect_dead_letters().await;
+    // 6 MiB that compress to almost nothing: a producer allowed 8 MiB sends it, the broker
+    // stores it compressed, and the route refuses it as oversize. The dead-letter producer
+    // takes at most the client's default of 4 MiB.
+    let mut big = rocketmq.producer_for_bodies_up_to(8 << 20).await;
+    let body = vec![b'7'; 6 << 20];
+    big.send(rocketmq.message(Some("order_1"), &body)).await.unwrap();
+    let handler = handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) });
+    let route = Route::new("oversize", KeyExtractor::broker_key(), handler).with_max_body_len(1 << 20);
+    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
+    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
+    rocketmq.consume_concurrently(&topic, &group, listener).await;
+    wait_until(Duration::from_secs(60), || async {
+        !dead_letters.lock().unwrap().is_empty()
+    })
+    .await;
+    // Time for the copies a retry would have written (the broker's first retry is at 10 s).
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let dead = dead_letters.lock().unwrap().clone();
+    assert_eq!(dead.len(), 1, "dead-lettered once, at its first delivery");
+    assert_eq!(
+        property(&dead[0], oncely::dead_letter::REASON).as_deref(),
+        Some("oversize")
+    );
+    let cut = property(&dead[0], oncely::dead_letter::BODY_CUT).expect("the copy says its body was cut");
+    assert!(
+        cut.contains(&format!("first {} of {} bytes", 4 << 20, 6 << 20)),
+        "{cut}"
+    );
+    assert_eq!(dead[0].body().as_deref(), Some(&body[..4 << 20]));
+    big.shutdown().await;
+    rocketmq.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_the_broker_does_not_store_is_retried_not_acknowledged() {
     let log = OutcomeLog::new();
     let mut rocketmq = ScratchRocketMq::new("unstored").await;

@@ -26,6 +26,13 @@ pub const SOURCE: &str = "x-oncely-source";
 /// when the message had none.
 pub const MESSAGE_ID: &str = "x-oncely-message-id";
 
+/// Metadata name, only on a dead letter whose body is not the original's: what was done to
+/// it and why, e.g. `kept the first 4194304 of 6291456 bytes: the dead-letter producer's
+/// limit is 4194304 bytes`. A broker's producer refuses a body over its limit (RocketMQ's
+/// client also an empty one); a dead letter that could not be written would be retried
+/// forever, so its body is cut to fit instead. Written by the RocketMQ adapter.
+pub const BODY_CUT: &str = "x-oncely-body-cut";
+
 /// The longest value written, in characters (not bytes); longer values, in practice only a
 /// detail, are cut. The metadata travels with every dead letter and counts against the
 /// broker's message size limits, and a detail can quote an error or a payload of any length.

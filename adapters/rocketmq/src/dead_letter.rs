@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use oncely::{DeadLetter, dead_letter};
 use rocketmq_client_rust::DefaultMQProducer;
 use rocketmq_model::common::message::message_ext::MessageExt;
@@ -21,6 +22,11 @@ use crate::error::Error;
 /// after the broker stored the copy (`SEND_OK`); if the send fails, the original is retried
 /// instead, so a dead letter is never lost — but may, after such a retry, be written twice.
 /// Consumers of the dead-letter topic should expect that.
+///
+/// A body the producer would refuse — over its `max_message_size` (4 MiB by default), or
+/// empty — is cut to the producer's limit (an empty one becomes `-`), and the copy says so in
+/// [`dead_letter::BODY_CUT`]: a dead letter that can never be written would otherwise be
+/// retried forever, and under an orderly listener hold its queue for good.
 ///
 /// This is not RocketMQ's own `%DLQ%<group>` topic: that one takes messages whose
 /// retries ran out (maxReconsumeTimes) and carries no reason. The topic is created on first
@@ -74,9 +80,16 @@ impl DeadLetterTopic {
         for (name, value) in dead.metadata(context) {
             properties.insert(name.into(), value.into());
         }
+        let (body, cut) = fit(
+            message.body().unwrap_or_default(),
+            self.producer.max_message_size() as usize,
+        );
+        if let Some(cut) = cut {
+            properties.insert(dead_letter::BODY_CUT.into(), cut.into());
+        }
         let mut copy = Message::builder()
             .topic(self.topic.as_str())
-            .body(message.body().unwrap_or_default())
+            .body(body)
             .build_unchecked();
         copy.set_properties(properties);
 
@@ -89,11 +102,48 @@ impl DeadLetterTopic {
     }
 }
 
+/// The body of a dead letter, cut to what a producer with `limit` takes, and what was done
+/// to it if anything.
+fn fit(body: Bytes, limit: usize) -> (Bytes, Option<String>) {
+    if body.is_empty() {
+        let note = "the body was empty, which the producer refuses: the copy carries `-`";
+        return (Bytes::from_static(b"-"), Some(note.to_owned()));
+    }
+    if body.len() <= limit {
+        return (body, None);
+    }
+    let note = format!(
+        "kept the first {limit} of {} bytes: the dead-letter producer's limit is {limit} bytes",
+        body.len()
+    );
+    (body.slice(..limit), Some(note))
+}
+
 impl std::fmt::Debug for DeadLetterTopic {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeadLetterTopic")
             .field("topic", &self.topic)
             .field("send_timeout", &self.send_timeout)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_the_producer_would_refuse_is_cut_to_fit_and_says_so() {
+        let (kept, cut) = fit(Bytes::from_static(b"0123456789"), 4);
+        assert_eq!(
+            (&kept[..], cut.unwrap().contains("first 4 of 10 bytes")),
+            (&b"0123"[..], true)
+        );
+        let (kept, cut) = fit(Bytes::new(), 4);
+        assert_eq!((&kept[..], cut.is_some()), (&b"-"[..], true));
+        assert_eq!(
+            fit(Bytes::from_static(b"0123"), 4),
+            (Bytes::from_static(b"0123"), None)
+        );
     }
 }
