@@ -3,6 +3,8 @@ CARGO ?= cargo
 # Where cargo builds; `make test` runs the chaos binary that `cargo test` built there.
 TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
 SHELL := bash
+# RabbitMQ 4.0, which `make chaos` also runs against (services.sh starts it).
+AMQP_ADDR_4 ?= amqp://guest:guest@127.0.0.1:5673/%2f
 .SHELLFLAGS := -eo pipefail -c
 
 .PHONY: demo test fmt lint doc services bench chaos
@@ -61,7 +63,7 @@ bench: services
 	$(CARGO) run --release -p integration-tests --bin bench -- all
 
 ## The fault-injection ledger run: 50,000 messages over 10,000 keys and 5 poison messages
-## through four consumers in two processes while consumers are killed, Redis restarted and
+## through four consumers in two processes (on RabbitMQ 3.10, then again on 4.0) while consumers are killed, Redis restarted and
 ## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
 ## swallows a failed statement on 0.5 % of calls each; then the same with the record batched;
 ## then the same through the red-packet shape (the flag with the record behind it, the record, no lock); then with the Redis flag
@@ -73,6 +75,7 @@ bench: services
 chaos: services
 	$(CARGO) build --release -p integration-tests --bins
 	$(TARGET_DIR)/release/chaos
+	AMQP_ADDR=$(AMQP_ADDR_4) $(TARGET_DIR)/release/chaos
 	$(TARGET_DIR)/release/chaos --stack batched
 	$(TARGET_DIR)/release/chaos --stack flag-record
 	$(TARGET_DIR)/release/chaos --stack flag-only --report-only

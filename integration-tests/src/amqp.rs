@@ -54,6 +54,15 @@ impl Broker {
         }
     }
 
+    /// The broker `AMQP_ADDR` names: RabbitMQ 4.0 when it is `AMQP_ADDR_4`'s address (a
+    /// chaos run pointed at 4.0), 3.10 otherwise. Tells which `rabbitmqctl` reaches it.
+    pub fn at_amqp_addr() -> Broker {
+        match amqp_addr() == Broker::Rabbit4.address() {
+            true => Broker::Rabbit4,
+            false => Broker::Rabbit3,
+        }
+    }
+
     /// Its `host:port`.
     pub fn host_port(self) -> String {
         let address = self.address();
@@ -252,10 +261,11 @@ pub fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> Opt
     }
 }
 
-/// Closes, on RabbitMQ 3.10's side, every connection whose client properties carry `name`,
-/// as a network failure or a broker operator would, and returns how many it closed.
+/// Closes, on the side of the broker at `AMQP_ADDR`, every connection whose client
+/// properties carry `name`, as a network failure or a broker operator would, and returns how
+/// many it closed.
 pub fn close_connections_named(name: &str) -> usize {
-    close_connections_on(Broker::Rabbit3, name)
+    close_connections_on(Broker::at_amqp_addr(), name)
 }
 
 /// [`close_connections_named`] on `broker`.

@@ -164,9 +164,6 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
         7,
         "a crash among others, then three failures and three crashes alone; then it never ran again"
     );
-    for n in 0..20 {
-        assert_eq!(runs.of(&format!("ok-{n}")), 1, "ok-{n} is blamed for no crash");
-    }
     topology.delete(&channel).await.unwrap();
 }
 
@@ -368,21 +365,29 @@ async fn assert_returns_lose_nothing(broker: Broker, topology: &Topology, channe
         publish_raw(channel, queue, br#"{"orderId":"o-1"}"#, Default::default()).await;
         return_again_and_again(channel, queue, 25).await;
     }
+    // Returned and dead-lettered messages settle asynchronously: counted until they have.
     let dlq = topology.dead_letter_queue();
-    let kept = ready_messages(channel, topology.queue()).await
-        + ready_messages(channel, topology.suspect_queue()).await
-        + ready_messages(channel, dlq).await;
+    let kept = || async {
+        let work = ready_messages(channel, topology.queue()).await;
+        let suspect = ready_messages(channel, topology.suspect_queue()).await;
+        (work + suspect, ready_messages(channel, dlq).await)
+    };
+    let expected = match broker {
+        Broker::Rabbit3 => (2, 0),
+        // Past 20 deliveries, 4.x dead-letters.
+        Broker::Rabbit4 => (0, 2),
+    };
+    let settled = tokio::time::timeout(Duration::from_secs(10), async {
+        while kept().await != expected {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let _ = settled.await;
     assert_eq!(
-        kept, 2,
-        "{broker:?}: a message returned 25 times is never dropped"
+        kept().await,
+        expected,
+        "{broker:?}: a message returned 25 times is never dropped (in their queues, in the dead-letter queue)"
     );
-    if broker == Broker::Rabbit4 {
-        assert_eq!(
-            ready_messages(channel, dlq).await,
-            2,
-            "past 20 deliveries, 4.x dead-letters"
-        );
-    }
 }
 
 async fn work_and_suspect_queues_dead_letter_past_the_brokers_delivery_limit(broker: Broker) {
@@ -532,17 +537,19 @@ async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_i
     let runs = Runs::default();
     let crashed = Arc::new(Notify::new());
     let (counted, crash) = (runs.clone(), crashed.clone());
-    // The poison message takes its consumer down every time; the others are slow enough to
-    // be held, started or not, by the consumer at each crash.
+    // The poison message takes its consumer down every time; the others are slow at their
+    // first run, so that the consumer holds them, started or not, at the first crash.
     let handler = handler_fn(move |envelope: Envelope| {
-        counted.count(&envelope);
+        let run = counted.count(&envelope);
         let crash = crash.clone();
         async move {
             if envelope.key().as_str() == "poison" {
                 crash.notify_one();
                 std::future::pending::<()>().await;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            if run == 1 {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
             Ok::<(), HandlerError>(())
         }
     });
@@ -550,7 +557,7 @@ async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_i
     // The strictest limit: a message that came back once while running alone is dead.
     let runner = Runner::new(route, topology.clone())
         .with_max_deliveries(1)
-        .with_concurrency(2)
+        .with_concurrency(4)
         .with_shutdown_grace(Duration::from_millis(100));
     let name = unique("oncely-test-caught");
     let (shutdown, running) = start_runner(runner, broker.address(), &name);
@@ -583,5 +590,10 @@ async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_i
     );
     assert_dead_letter(&dead[0], &topology, "delivery_limit", 1, "caught");
     assert_eq!(runs.of("poison"), 2, "once among others, once alone");
+    let caught = (0..9).filter(|n| runs.of(&format!("ok-{n}")) > 1).count();
+    assert!(
+        caught > 0,
+        "some ok messages were caught in the crash (the case under test)"
+    );
     topology.delete(&channel).await.unwrap();
 }

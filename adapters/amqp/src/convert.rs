@@ -14,7 +14,9 @@ pub const ATTEMPT_HEADER: &str = "x-oncely-attempt";
 /// [`RETURNS_HEADER`](crate::RETURNS_HEADER)), its body and its work queue. The runner reads
 /// its counters only when the seal matches, so counters that a producer sets, or copies
 /// from a message it consumed elsewhere, change nothing: the delivery counts as a first one.
-/// Dead letters carry no seal, so a dead letter replayed to the work queue starts afresh.
+/// The runner's dead letters carry no seal, so one replayed to the work queue starts
+/// afresh (a message the broker dead-letters itself, past its delivery limit, keeps its
+/// headers).
 ///
 /// A checksum, not a signature: it guards against headers set or copied by mistake, not
 /// against a producer that forges them on purpose (keep such producers away from the

@@ -17,7 +17,7 @@ use oncely::report::{RunReport, Tally};
 use oncely::{
     BoxError, BrokerAction, DeadLetter, DeadLetterReason, Envelope, Outcome, RetryReason, Route, dead_letter,
 };
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
@@ -87,13 +87,15 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// `x-delivery-count` — the ones that were running and the ones it had only received. Such
 /// a delivery cannot be blamed yet: it is moved to the topology's suspect queue, and from
 /// then on every copy of it (its retries carry [`RETURNS_HEADER`]) runs alone. The runner
-/// takes a suspect (`basic.get`) only once nothing else runs in the process and holds back
+/// takes a suspect (`basic.get`) only once nothing else runs in the runner and holds back
 /// new work while it runs, so a crash while it runs is that message's own: only those
 /// crashes count. A message that came back unsettled [`max_deliveries`](Runner::with_max_deliveries)
 /// times while running alone — crashes, lost channels, or copies the broker kept refusing —
 /// is dead-lettered with [`DeadLetterReason::DeliveryLimit`] without running again. A
-/// message that is merely caught in another's crash runs alone once and is never
-/// dead-lettered for it.
+/// message that is merely caught in another's crash runs alone afterwards and is not
+/// dead-lettered for it. Limit: "alone" is within one runner; run one runner per process
+/// where messages may crash it, since a crash caused by another runner's delivery counts
+/// against the suspect that was running.
 ///
 /// **Headers a producer sets.** The runner's counters travel in headers of its own copies
 /// under a [`SEAL_HEADER`](crate::SEAL_HEADER); `x-delivery-count` is read only on a
@@ -159,7 +161,7 @@ where
     /// transactions, so keep the prefetch and this at or above its maximum batch. Each is
     /// acked only once its stack answered, after its batch's commit.
     pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
+        self.concurrency = concurrency.clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
         self
     }
 
@@ -277,8 +279,8 @@ where
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         // When one lane ends (shutdown, a failed channel), the other stops too.
         let stop = shutdown.child_token();
-        // One pool of permits for both lanes: a suspect takes them all, so it runs alone and
-        // a crash while it runs is its own.
+        // One pool of permits for both lanes: a suspect takes them all, so it runs alone in
+        // the run (not beside the deliveries of another runner of the same process).
         let permits = Arc::new(Semaphore::new(self.concurrency));
         let lanes = Lanes {
             channel,
@@ -343,20 +345,20 @@ where
             let in_flight_here = tally.arrived();
             // A returned delivery only moves to the suspect queue: it needs no turn, so that
             // it is not held (and caught in a suspect's crash) while it waits for one.
-            let permit = match self.suspicious(&delivery) {
+            let turn = match self.suspicious(&delivery) {
                 true => None,
-                false => tokio::select! {
-                    () = stop.cancelled() => {
+                false => match stop.run_until_cancelled(take_turn(permits)).await {
+                    Some(turn) => Some(turn),
+                    None => {
                         not_started = Some(delivery);
                         break Ok(());
                     }
-                    permit = permits.clone().acquire_owned() => Some(permit.expect("the semaphore is never closed")),
                 },
             };
             let settle = self.settle_one(channel.clone(), delivery, Lane::Work, tally.clone());
             in_flight.spawn(async move {
                 settle.await;
-                drop((permit, in_flight_here));
+                drop((turn, in_flight_here));
             });
             while in_flight.try_join_next().is_some() {}
         };
@@ -393,80 +395,94 @@ where
         }
     }
 
-    /// Returns deliveries that never started to the work queue without a return counted
-    /// against them: a copy with the same counters, then an ack. One that cannot be copied
-    /// stays unacked, and the broker redelivers it when the channel closes.
+    /// Returns deliveries that never started without a return counted against them: a copy
+    /// with the same counters, then an ack — to the work queue, or to the suspect queue for
+    /// one that came back unsettled. Takes at most the confirm timeout in all: what is not
+    /// handed back by then stays unacked, and the broker redelivers it when the channel
+    /// closes.
     async fn hand_back(&self, channel: &Channel, deliveries: Vec<AmqpDelivery>) {
         let mut handed_back = 0;
-        for delivery in &deliveries {
-            let settle = self.settle(channel, delivery);
-            let counters = Counters::of(delivery, self.topology.queue());
-            match settle
-                .forward(self.topology.queue(), settle.sealed_copy(counters))
-                .await
-            {
-                Ok(()) => handed_back += 1,
-                Err(error) => tracing::warn!(%error, "could not hand back a delivery that never started"),
+        let all = async {
+            for delivery in &deliveries {
+                let settle = self.settle(channel, delivery);
+                let counters = Counters::of(delivery, self.topology.queue());
+                let (queue, counters) = match self.suspicious(delivery) {
+                    true => (self.topology.suspect_queue(), suspect_counters(counters)),
+                    false => (self.topology.queue(), counters),
+                };
+                match settle.forward(queue, settle.sealed_copy(counters)).await {
+                    Ok(()) => handed_back += 1,
+                    Err(error) => tracing::warn!(%error, "could not hand back a delivery that never started"),
+                }
             }
-        }
+        };
+        let _ = tokio::time::timeout(self.confirm_timeout, all).await;
         if !deliveries.is_empty() {
-            tracing::info!(handed_back, "handed back the deliveries received but not started");
+            tracing::info!(
+                handed_back,
+                of = deliveries.len(),
+                "handed back the deliveries received but not started"
+            );
         }
     }
 
-    /// Takes suspects one at a time, each only once it can run alone, until `stop` is
-    /// cancelled; the one running then gets the shutdown grace.
+    /// Takes suspects one at a time, each only once nothing else runs in the run, until
+    /// `stop` is cancelled; the one running then gets the shutdown grace.
     async fn suspect_lane(&self, lanes: &Lanes<'_>) -> Result<(), Error> {
         let Lanes {
             channel,
             permits,
             stop,
-            tally,
+            ..
         } = *lanes;
         let _stop_the_other_lane = stop.clone().drop_guard();
         let every_permit = u32::try_from(self.concurrency).unwrap_or(u32::MAX);
         let queue = self.topology.suspect_queue();
         loop {
-            // Looking costs no turn of the work lane; taking one waits until nothing runs.
+            // Looking holds nothing back; taking one waits until nothing runs.
             let Some(ready) = stop.run_until_cancelled(ready_in(channel, queue)).await else {
                 return Ok(());
             };
-            if ready? == 0 {
-                if stop
-                    .run_until_cancelled(tokio::time::sleep(SUSPECT_POLL))
-                    .await
-                    .is_none()
-                {
+            if ready? > 0 {
+                let alone = permits.clone().acquire_many_owned(every_permit);
+                let Some(alone) = stop.run_until_cancelled(alone).await else {
                     return Ok(());
+                };
+                // Nothing else runs in this run from here on: a crash is this message's.
+                let get = BasicGetOptions { no_ack: false };
+                if let Some(suspect) = channel.basic_get(queue.into(), get).await? {
+                    self.run_suspect(lanes, suspect.delivery).await;
+                    drop(alone);
+                    continue;
                 }
-                continue;
+                // Another consumer took it first: look again after the pause.
             }
-            let Some(alone) = stop
-                .run_until_cancelled(permits.clone().acquire_many_owned(every_permit))
-                .await
-            else {
+            let pause = tokio::time::sleep(SUSPECT_POLL);
+            if stop.run_until_cancelled(pause).await.is_none() {
                 return Ok(());
-            };
-            // Nothing else runs in this process from here on: a crash is this message's.
-            let get = BasicGetOptions { no_ack: false };
-            let Some(suspect) = channel.basic_get(queue.into(), get).await? else {
-                continue;
-            };
-            let in_flight_here = tally.arrived();
-            let settle = self.settle_one(channel.clone(), suspect.delivery, Lane::Suspect, tally.clone());
-            let grace_after_stop = async {
-                stop.cancelled().await;
-                tokio::time::sleep(self.shutdown_grace).await;
-            };
-            tokio::select! {
-                () = settle => {}
-                () = grace_after_stop => {
-                    tracing::warn!("shutdown grace ran out; abandoning the suspect unacked for redelivery");
-                    tally.abandoned(1);
-                }
             }
-            drop((alone, in_flight_here));
         }
+    }
+
+    /// Runs one suspect to its settlement; after a shutdown, within the grace.
+    async fn run_suspect(&self, lanes: &Lanes<'_>, suspect: AmqpDelivery) {
+        let Lanes {
+            channel, stop, tally, ..
+        } = *lanes;
+        let in_flight_here = tally.arrived();
+        let settle = self.settle_one(channel.clone(), suspect, Lane::Suspect, tally.clone());
+        let grace_after_stop = async {
+            stop.cancelled().await;
+            tokio::time::sleep(self.shutdown_grace).await;
+        };
+        tokio::select! {
+            () = settle => {}
+            () = grace_after_stop => {
+                tracing::warn!("shutdown grace ran out; abandoning the suspect unacked for redelivery");
+                tally.abandoned(1);
+            }
+        }
+        drop(in_flight_here);
     }
 
     /// True when `delivery` goes to the suspect queue rather than run among others: it came
@@ -592,10 +608,7 @@ where
             };
             let counters = Counters::of(&delivery, topology.queue());
             let decision = match lane {
-                Lane::Work if suspicious => Decision::ToSuspects(Counters {
-                    returns: Some(counters.returns.unwrap_or(0)),
-                    ..counters
-                }),
+                Lane::Work if suspicious => Decision::ToSuspects(suspect_counters(counters)),
                 Lane::Work => Decision::Answer {
                     outcome: route.handle(to_delivery(&delivery, topology.queue())).await,
                     counters,
@@ -639,7 +652,7 @@ where
 #[derive(Clone, Copy)]
 struct Lanes<'a> {
     channel: &'a Channel,
-    /// One pool for both lanes: a suspect takes every permit, so it runs alone.
+    /// How many of the run's deliveries run at once.
     permits: &'a Arc<Semaphore>,
     /// Ends both lanes: cancelled by the run's shutdown, by a lane that ended, or by drain.
     stop: &'a CancellationToken,
@@ -693,6 +706,23 @@ async fn consume(channel: &Channel, queue: &str) -> Result<Consumer, Error> {
             FieldTable::default(),
         )
         .await?)
+}
+
+/// The counters of a message moving to the suspect queue: its returns so far, now counted.
+fn suspect_counters(counters: Counters) -> Counters {
+    Counters {
+        returns: Some(counters.returns.unwrap_or(0)),
+        ..counters
+    }
+}
+
+/// A turn for one delivery of the work lane: one of the run's permits.
+async fn take_turn(permits: &Arc<Semaphore>) -> OwnedSemaphorePermit {
+    permits
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the semaphore is never closed")
 }
 
 /// How many times the broker returned `delivery` to the queue it came from, unsettled. Read
@@ -835,14 +865,17 @@ impl Settle<'_> {
         let patience = self.confirm_timeout + SETTLE_BACKOFF.iter().sum::<Duration>();
         let confirm = publish(self.channel, "", queue, &self.delivery.data, properties).await?;
         let mut confirm = std::pin::pin!(confirm);
-        let started = std::time::Instant::now();
+        let deadline = std::time::Instant::now() + patience;
         let confirmation = loop {
-            match tokio::time::timeout(self.confirm_timeout, &mut confirm).await {
+            let slice = self
+                .confirm_timeout
+                .min(deadline.saturating_duration_since(std::time::Instant::now()));
+            match tokio::time::timeout(slice, &mut confirm).await {
                 Ok(confirmation) => break confirmation,
-                Err(_) if started.elapsed() < patience => {
-                    tracing::warn!(queue, waited = ?started.elapsed(), "the broker is slow to confirm a copy; waiting for it");
+                Err(_) if std::time::Instant::now() < deadline => {
+                    tracing::warn!(queue, "the broker is slow to confirm a copy; waiting for it");
                 }
-                Err(_) => return Err(Error::ConfirmTimeout(started.elapsed())),
+                Err(_) => return Err(Error::ConfirmTimeout(patience)),
             }
         };
         confirmed(confirmation, "", queue)?;

@@ -2,9 +2,7 @@
 //! broker's own fault (the consumers' connections closed by the broker), the quiet-queue
 //! check and the dead-letter queue.
 
-use std::process::Command;
-
-use integration_tests::amqp::{close_connections_named, connect, drain, scratch_topology};
+use integration_tests::amqp::{Broker, close_connections_named, connect, drain, scratch_topology};
 use integration_tests::chaos_stack::ChaosStack;
 use lapin::Channel;
 use lapin::message::BasicGetMessage;
@@ -114,11 +112,8 @@ impl Publisher {
 
 /// Messages (ready and unacknowledged) in the run's work, suspect and retry queues.
 fn messages_in_queues(topology: &Topology) -> Option<u64> {
-    let listed = Command::new("rabbitmqctl")
-        .args(["list_queues", "-q", "--no-table-headers", "name", "messages"])
-        .output()
-        .ok()?;
-    let listing = String::from_utf8_lossy(&listed.stdout);
+    let listing =
+        Broker::at_amqp_addr().rabbitmqctl(&["list_queues", "-q", "--no-table-headers", "name", "messages"]);
     let mut total = 0;
     for line in listing.lines() {
         let mut fields = line.split_whitespace();
