@@ -207,6 +207,25 @@ where
     (shutdown, running)
 }
 
+/// Closes the connections named `name` on `broker` each time `crashed` is notified, as a
+/// consumer process that dies holding its deliveries would lose them, until aborted.
+pub fn crash_on_notify(
+    broker: Broker,
+    name: &str,
+    crashed: Arc<tokio::sync::Notify>,
+) -> tokio::task::JoinHandle<()> {
+    let name = name.to_owned();
+    tokio::spawn(async move {
+        loop {
+            crashed.notified().await;
+            let name = name.clone();
+            tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
+                .await
+                .unwrap();
+        }
+    })
+}
+
 /// Stops a runner [`start_runner`] started, checks it ended without an error and returns its
 /// report.
 pub async fn stop_runner(shutdown: CancellationToken, running: Running) -> RunReport {

@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use integration_tests::amqp::{
-    Broker, Runs, close_connections_on, drain, header_text, ready_messages, scratch_topology, start_runner,
+    Broker, Runs, crash_on_notify, drain, header_text, ready_messages, scratch_topology, start_runner,
     stop_runner, topology_with_orders,
 };
 use integration_tests::amqp_tap::AmqpTap;
@@ -19,7 +19,7 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 use oncely::{
     BoxFuture, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Tier, handler_fn,
 };
-use oncely_amqp::{Runner, Topology};
+use oncely_amqp::{Runner, SuspectGate, Topology};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -34,6 +34,7 @@ on_both_brokers!(
     deliveries_received_but_not_started_at_shutdown_come_back_uncounted,
     counters_a_producer_sets_on_a_first_delivery_change_nothing,
     messages_caught_in_another_messages_crash_are_never_dead_lettered_for_it,
+    runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_crash,
 );
 
 /// Asserts that `message`, taken from the dead-letter queue of `topology`, carries the
@@ -130,18 +131,7 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
         .with_shutdown_grace(Duration::from_millis(100));
     let name = unique("oncely-test-crash-loop");
     let (shutdown, running) = start_runner(runner, broker.address(), &name);
-    let killer = {
-        let name = name.clone();
-        tokio::spawn(async move {
-            loop {
-                crashed.notified().await;
-                let name = name.clone();
-                tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
-                    .await
-                    .unwrap();
-            }
-        })
-    };
+    let killer = crash_on_notify(broker, &name, crashed);
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(60), || async {
         ready_messages(&channel, dlq).await == 1 && runs.keys_starting("ok") == 20
@@ -357,11 +347,17 @@ async fn publish_raw(channel: &lapin::Channel, queue: &str, body: &[u8], headers
         .unwrap();
 }
 
-/// Returns a message in the work queue and one in the suspect queue 25 times each (past
-/// RabbitMQ 4.x's default delivery limit of 20) and checks that neither is gone: on 3.10
-/// they stay where they are, on 4.x the broker dead-letters them to the dead-letter queue.
+/// Returns a message in each of the work, suspect and dead-letter queues 25 times (past
+/// RabbitMQ 4.x's default delivery limit of 20) and checks that none is gone: on 3.10 they
+/// stay where they are, on 4.x the broker dead-letters the first two to the dead-letter
+/// queue, which keeps its own.
 async fn assert_returns_lose_nothing(broker: Broker, topology: &Topology, channel: &lapin::Channel) {
-    for queue in [topology.queue(), topology.suspect_queue()] {
+    let queues = [
+        topology.queue(),
+        topology.suspect_queue(),
+        topology.dead_letter_queue(),
+    ];
+    for queue in queues {
         publish_raw(channel, queue, br#"{"orderId":"o-1"}"#, Default::default()).await;
         return_again_and_again(channel, queue, 25).await;
     }
@@ -373,9 +369,9 @@ async fn assert_returns_lose_nothing(broker: Broker, topology: &Topology, channe
         (work + suspect, ready_messages(channel, dlq).await)
     };
     let expected = match broker {
-        Broker::Rabbit3 => (2, 0),
+        Broker::Rabbit3 => (2, 1),
         // Past 20 deliveries, 4.x dead-letters.
-        Broker::Rabbit4 => (0, 2),
+        Broker::Rabbit4 => (0, 3),
     };
     let settled = tokio::time::timeout(Duration::from_secs(10), async {
         while kept().await != expected {
@@ -401,21 +397,28 @@ async fn queues_declared_before_the_safety_net_get_it_from_the_policy(broker: Br
     let topology = scratch_topology("policy").with_safety_net_by_policy();
     let channel = broker.connect().await.create_channel().await.unwrap();
     topology.declare(&channel).await.unwrap();
-    // ...and the policy gives them their dead-letter target.
-    let policy = topology.dead_letter_policy();
-    broker.rabbitmqctl(&policy.rabbitmqctl_arguments());
+    // ...and the policies give them their safety net.
+    let policies = topology.safety_net_policies();
+    for policy in &policies {
+        broker.rabbitmqctl(&policy.rabbitmqctl_arguments());
+    }
     wait_until(Duration::from_secs(10), || async {
         let listed = broker.rabbitmqctl(&["list_queues", "-q", "name", "policy"]);
-        let applied = |queue: &str| {
+        let applied = |queue: &str, policy: &str| {
             listed
                 .lines()
-                .any(|line| line.split_whitespace().eq([queue, policy.name.as_str()]))
+                .any(|line| line.split_whitespace().eq([queue, policy]))
         };
-        applied(topology.queue()) && applied(topology.suspect_queue())
+        let [dead_lettering, keeping] = &policies;
+        applied(topology.queue(), &dead_lettering.name)
+            && applied(topology.suspect_queue(), &dead_lettering.name)
+            && applied(topology.dead_letter_queue(), &keeping.name)
     })
     .await;
     assert_returns_lose_nothing(broker, &topology, &channel).await;
-    broker.rabbitmqctl(&["clear_policy", policy.name.as_str()]);
+    for policy in &policies {
+        broker.rabbitmqctl(&["clear_policy", policy.name.as_str()]);
+    }
     topology.delete(&channel).await.unwrap();
 }
 
@@ -561,15 +564,7 @@ async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_i
         .with_shutdown_grace(Duration::from_millis(100));
     let name = unique("oncely-test-caught");
     let (shutdown, running) = start_runner(runner, broker.address(), &name);
-    let killer = tokio::spawn(async move {
-        loop {
-            crashed.notified().await;
-            let name = name.clone();
-            tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
-                .await
-                .unwrap();
-        }
-    });
+    let killer = crash_on_notify(broker, &name, crashed);
     let dlq = topology.dead_letter_queue();
     wait_until(Duration::from_secs(60), || async {
         ready_messages(&channel, dlq).await >= 1 && runs.keys_starting("ok") == 9
@@ -596,4 +591,70 @@ async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_i
         "some ok messages were caught in the crash (the case under test)"
     );
     topology.delete(&channel).await.unwrap();
+}
+
+async fn runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_crash(broker: Broker) {
+    // Two runners of one process (one connection name: a crash takes both down). Runner A's
+    // poison message takes the process down half a second into its run; runner B holds a
+    // suspect that takes three seconds.
+    let (poisoned, channel) = topology_with_orders(broker, "gate-poison", &["poison"]).await;
+    let (innocent, _) = topology_with_orders(broker, "gate-suspect", &[]).await;
+    publish_raw(
+        &channel,
+        innocent.suspect_queue(),
+        br#"{"orderId":"s-1"}"#,
+        Default::default(),
+    )
+    .await;
+    let runs = Runs::default();
+    let crashed = Arc::new(Notify::new());
+    let route = || {
+        let (counted, crash) = (runs.clone(), crashed.clone());
+        let handler = handler_fn(move |envelope: Envelope| {
+            let run = counted.count(&envelope);
+            let crash = crash.clone();
+            async move {
+                if envelope.key().as_str() == "poison" {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    crash.notify_one();
+                    std::future::pending::<()>().await;
+                }
+                if run == 1 {
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                }
+                Ok::<(), HandlerError>(())
+            }
+        });
+        Route::new("gate", KeyExtractor::json_pointer("/orderId"), handler)
+    };
+    let gate = SuspectGate::new();
+    let runner = |topology: &Topology| {
+        Runner::new(route(), topology.clone())
+            .with_max_deliveries(1)
+            .with_shutdown_grace(Duration::from_millis(100))
+            .with_suspect_gate(gate.clone())
+    };
+    let name = unique("oncely-test-gate");
+    let (stop_a, running_a) = start_runner(runner(&poisoned), broker.address(), &name);
+    let (stop_b, running_b) = start_runner(runner(&innocent), broker.address(), &name);
+    let killer = crash_on_notify(broker, &name, crashed.clone());
+    wait_until(Duration::from_secs(60), || async {
+        ready_messages(&channel, poisoned.dead_letter_queue()).await == 1
+            && ready_messages(&channel, innocent.suspect_queue()).await == 0
+            && runs.of("s-1") >= 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop_runner(stop_a, running_a).await;
+    stop_runner(stop_b, running_b).await;
+    killer.abort();
+    assert_eq!(
+        ready_messages(&channel, innocent.dead_letter_queue()).await,
+        0,
+        "the suspect never ran beside the poison message, so it is not blamed for its crashes"
+    );
+    assert_eq!(ready_messages(&channel, innocent.queue()).await, 0);
+    assert_eq!(runs.of("s-1"), 1, "the suspect ran once, to its end");
+    poisoned.delete(&channel).await.unwrap();
+    innocent.delete(&channel).await.unwrap();
 }

@@ -438,6 +438,8 @@ async fn a_delivery_dropped_while_waiting_for_its_turn_leaves_no_record_without_
         let route = route.clone();
         async move { route.handle(order("o-0")).await }
     });
+    // o-0 first: had o-1 reached the lane first, it would have been done before it could go.
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let waiting = tokio::spawn({
         let route = route.clone();
         async move { route.handle(order("o-1")).await }

@@ -37,9 +37,9 @@ pub use error::Error;
 pub use producer::{DEFAULT_KEY_HEADER, Producer};
 pub use runner::{
     DEFAULT_MAX_CONNECT_FAILURES, DEFAULT_MAX_DELIVERIES, ORIGINAL_EXCHANGE_HEADER,
-    ORIGINAL_ROUTING_KEY_HEADER, RETURNS_HEADER, Runner, SETTLE_RETRY_DELAY,
+    ORIGINAL_ROUTING_KEY_HEADER, RETURNS_HEADER, Runner, SETTLE_RETRY_DELAY, SuspectGate,
 };
-pub use topology::{DeadLetterPolicy, Topology};
+pub use topology::{DEAD_LETTER_DELIVERY_LIMIT, SafetyNetPolicy, Topology};
 
 pub use lapin;
 pub use oncely;

@@ -17,7 +17,7 @@ use oncely::report::{RunReport, Tally};
 use oncely::{
     BoxError, BrokerAction, DeadLetter, DeadLetterReason, Envelope, Outcome, RetryReason, Route, dead_letter,
 };
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedSemaphorePermit, RwLock, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
@@ -93,9 +93,11 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// times while running alone — crashes, lost channels, or copies the broker kept refusing —
 /// is dead-lettered with [`DeadLetterReason::DeliveryLimit`] without running again. A
 /// message that is merely caught in another's crash runs alone afterwards and is not
-/// dead-lettered for it. Limit: "alone" is within one runner; run one runner per process
-/// where messages may crash it, since a crash caused by another runner's delivery counts
-/// against the suspect that was running.
+/// dead-lettered for it. "Alone" means alone among the runners that share a
+/// [`SuspectGate`]: each runner has its own unless given one with
+/// [`with_suspect_gate`](Runner::with_suspect_gate), so a process that runs several runners
+/// must give them one gate, or a crash that another runner's delivery causes counts against
+/// the suspect running beside it.
 ///
 /// **Headers a producer sets.** The runner's counters travel in headers of its own copies
 /// under a [`SEAL_HEADER`](crate::SEAL_HEADER); `x-delivery-count` is read only on a
@@ -111,6 +113,7 @@ pub struct Runner<S> {
     topology: Topology,
     prefetch: u16,
     concurrency: usize,
+    gate: SuspectGate,
     max_deliveries: u32,
     max_connect_failures: u32,
     shutdown_grace: Duration,
@@ -142,6 +145,7 @@ where
             topology,
             prefetch: 64,
             concurrency: 64,
+            gate: SuspectGate::new(),
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             max_connect_failures: DEFAULT_MAX_CONNECT_FAILURES,
             shutdown_grace: Duration::from_secs(30),
@@ -161,7 +165,16 @@ where
     /// transactions, so keep the prefetch and this at or above its maximum batch. Each is
     /// acked only once its stack answered, after its batch's commit.
     pub fn with_concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.clamp(1, Semaphore::MAX_PERMITS.min(u32::MAX as usize));
+        self.concurrency = concurrency.clamp(1, Semaphore::MAX_PERMITS);
+        self
+    }
+
+    /// Shares `gate` with the other runners of this process that are given it: a suspect of
+    /// any of them then runs only while no delivery of any of them runs. Give one gate to
+    /// every runner of a process whose messages may crash it; while a suspect waits for its
+    /// turn, all of them hold back new deliveries.
+    pub fn with_suspect_gate(mut self, gate: SuspectGate) -> Self {
+        self.gate = gate;
         self
     }
 
@@ -279,8 +292,7 @@ where
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         // When one lane ends (shutdown, a failed channel), the other stops too.
         let stop = shutdown.child_token();
-        // One pool of permits for both lanes: a suspect takes them all, so it runs alone in
-        // the run (not beside the deliveries of another runner of the same process).
+        // How many of this run's deliveries run at once; a suspect runs alone behind the gate.
         let permits = Arc::new(Semaphore::new(self.concurrency));
         let lanes = Lanes {
             channel,
@@ -347,7 +359,7 @@ where
             // it is not held (and caught in a suspect's crash) while it waits for one.
             let turn = match self.suspicious(&delivery) {
                 true => None,
-                false => match stop.run_until_cancelled(take_turn(permits)).await {
+                false => match stop.run_until_cancelled(self.take_turn(permits)).await {
                     Some(turn) => Some(turn),
                     None => {
                         not_started = Some(delivery);
@@ -426,17 +438,11 @@ where
         }
     }
 
-    /// Takes suspects one at a time, each only once nothing else runs in the run, until
+    /// Takes suspects one at a time, each only once nothing else runs behind the gate, until
     /// `stop` is cancelled; the one running then gets the shutdown grace.
     async fn suspect_lane(&self, lanes: &Lanes<'_>) -> Result<(), Error> {
-        let Lanes {
-            channel,
-            permits,
-            stop,
-            ..
-        } = *lanes;
+        let Lanes { channel, stop, .. } = *lanes;
         let _stop_the_other_lane = stop.clone().drop_guard();
-        let every_permit = u32::try_from(self.concurrency).unwrap_or(u32::MAX);
         let queue = self.topology.suspect_queue();
         loop {
             // Looking holds nothing back; taking one waits until nothing runs.
@@ -444,11 +450,11 @@ where
                 return Ok(());
             };
             if ready? > 0 {
-                let alone = permits.clone().acquire_many_owned(every_permit);
+                let alone = self.gate.0.clone().write_owned();
                 let Some(alone) = stop.run_until_cancelled(alone).await else {
                     return Ok(());
                 };
-                // Nothing else runs in this run from here on: a crash is this message's.
+                // Nothing else runs behind the gate from here on: a crash is this message's.
                 let get = BasicGetOptions { no_ack: false };
                 if let Some(suspect) = channel.basic_get(queue.into(), get).await? {
                     self.run_suspect(lanes, suspect.delivery).await;
@@ -483,6 +489,17 @@ where
             }
         }
         drop(in_flight_here);
+    }
+
+    /// A turn for one delivery of the work lane: one of the run's permits, and a share of
+    /// the gate that keeps suspects out while it runs.
+    async fn take_turn(&self, permits: &Arc<Semaphore>) -> (OwnedSemaphorePermit, OwnedRwLockReadGuard<()>) {
+        let permit = permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        (permit, self.gate.0.clone().read_owned().await)
     }
 
     /// True when `delivery` goes to the suspect queue rather than run among others: it came
@@ -648,6 +665,23 @@ where
     }
 }
 
+/// Where suspects wait until they can run alone: a delivery runs holding a share of the
+/// gate, a suspect holds it whole. Cheap to clone; clones are one gate. See
+/// [`Runner::with_suspect_gate`].
+///
+/// Fair: once a suspect waits, new deliveries wait behind it, so a suspect waits at most for
+/// the deliveries already running — and all of them hold back new work meanwhile; a handler
+/// that never returns holds the suspect (and so the gate's runners) until it does.
+#[derive(Clone, Debug, Default)]
+pub struct SuspectGate(Arc<RwLock<()>>);
+
+impl SuspectGate {
+    /// A gate of its own, for the runners it is given to.
+    pub fn new() -> Self {
+        SuspectGate::default()
+    }
+}
+
 /// What the lanes of one run share.
 #[derive(Clone, Copy)]
 struct Lanes<'a> {
@@ -714,15 +748,6 @@ fn suspect_counters(counters: Counters) -> Counters {
         returns: Some(counters.returns.unwrap_or(0)),
         ..counters
     }
-}
-
-/// A turn for one delivery of the work lane: one of the run's permits.
-async fn take_turn(permits: &Arc<Semaphore>) -> OwnedSemaphorePermit {
-    permits
-        .clone()
-        .acquire_owned()
-        .await
-        .expect("the semaphore is never closed")
 }
 
 /// How many times the broker returned `delivery` to the queue it came from, unsettled. Read

@@ -32,14 +32,17 @@ use crate::error::Error;
 /// dead-letters. Past that limit the broker's copy reaches the dead-letter queue without
 /// oncely's reason headers (the broker's `x-death` and `x-first-death-reason:
 /// delivery_limit` say why), so keep [`Runner::with_max_deliveries`](crate::Runner::with_max_deliveries)
-/// below 20. Tested on RabbitMQ 3.10 and 4.0.
+/// below 20. The dead-letter queue itself has a delivery limit of [`DEAD_LETTER_DELIVERY_LIMIT`]
+/// (`x-delivery-limit`), so that whoever reads dead letters and returns them (a management
+/// UI's "nack, requeue", a replay tool that crashes) cannot make 4.x drop one. Tested on
+/// RabbitMQ 3.10 and 4.0.
 ///
 /// [`declare`](Topology::declare) is idempotent as long as the queues were declared with the
 /// same arguments; a queue of the same name with other arguments makes the broker refuse
 /// (`PRECONDITION_FAILED`), and RabbitMQ never changes a declared queue's arguments. Work and
 /// suspect queues declared by oncely 0.1 (before the safety net) are such queues: keep them
 /// with [`with_safety_net_by_policy`](Topology::with_safety_net_by_policy) and apply
-/// [`dead_letter_policy`](Topology::dead_letter_policy) once, or move their messages and
+/// [`safety_net_policies`](Topology::safety_net_policies) once, or move their messages and
 /// delete them. A classic queue of the same name (declared by hand) must be moved and
 /// deleted.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,25 +58,29 @@ pub struct Topology {
     safety_net_declared: bool,
 }
 
-/// A RabbitMQ policy that gives the work and suspect queues of a [`Topology`] their
-/// dead-letter target, for queues declared without it (see
-/// [`Topology::with_safety_net_by_policy`]). Apply it with
-/// [`rabbitmqctl_arguments`](DeadLetterPolicy::rabbitmqctl_arguments) or the management API.
+/// The delivery limit of the dead-letter queue: high enough never to be reached by people
+/// and tools reading dead letters, and set because RabbitMQ 4.x would otherwise drop a dead
+/// letter returned 20 times (`-1`, 4.x's "no limit", drops at once on 3.10).
+pub const DEAD_LETTER_DELIVERY_LIMIT: i64 = 1_000_000;
+
+/// A RabbitMQ policy that gives queues of a [`Topology`] declared without them the arguments
+/// of its safety net (see [`Topology::with_safety_net_by_policy`]). Apply it with
+/// [`rabbitmqctl_arguments`](SafetyNetPolicy::rabbitmqctl_arguments) or the management API.
 ///
 /// RabbitMQ applies one policy per queue (the highest priority's): if your own policies
 /// match these queues, add the definition's keys to yours instead.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeadLetterPolicy {
-    /// The policy's name: `oncely-dead-letter-QUEUE`.
+pub struct SafetyNetPolicy {
+    /// The policy's name: `oncely-dead-letter-QUEUE` (work and suspect queues) or
+    /// `oncely-dead-letters-QUEUE` (the dead-letter queue).
     pub name: String,
-    /// The regular expression of queue names it applies to: exactly the work and suspect
-    /// queues.
+    /// The regular expression of the queue names it applies to.
     pub pattern: String,
     /// Its definition, as JSON.
     pub definition: String,
 }
 
-impl DeadLetterPolicy {
+impl SafetyNetPolicy {
     /// The arguments of `rabbitmqctl` that set the policy (for queues, priority 1):
     /// `set_policy --apply-to queues --priority 1 NAME PATTERN DEFINITION`. The broker
     /// applies it to the queues shortly after it answered.
@@ -123,17 +130,20 @@ impl Topology {
     }
 
     /// Declares the work and suspect queues without their dead-letter arguments, as oncely 0.1
-    /// did, so that [`declare`](Topology::declare) accepts queues declared then; their safety
-    /// net then comes from [`dead_letter_policy`](Topology::dead_letter_policy), which you
-    /// apply once. Without either, RabbitMQ 4.x drops a message past its delivery limit.
+    /// did (and the dead-letter queue without its delivery limit), so that
+    /// [`declare`](Topology::declare) accepts queues declared then; their safety net then
+    /// comes from [`safety_net_policies`](Topology::safety_net_policies), which you apply
+    /// once. Without either, RabbitMQ 4.x drops a message past its delivery limit.
     pub fn with_safety_net_by_policy(mut self) -> Self {
         self.safety_net_declared = false;
         self
     }
 
-    /// The policy that gives this topology's work and suspect queues the dead-letter target
-    /// that [`declare`](Topology::declare) gives new ones; see [`DeadLetterPolicy`].
-    pub fn dead_letter_policy(&self) -> DeadLetterPolicy {
+    /// The policies that give this topology's queues the safety net that
+    /// [`declare`](Topology::declare) gives new ones: the work and suspect queues their
+    /// dead-letter target, the dead-letter queue its [`DEAD_LETTER_DELIVERY_LIMIT`]. See
+    /// [`SafetyNetPolicy`].
+    pub fn safety_net_policies(&self) -> [SafetyNetPolicy; 2] {
         let escaped: String = self
             .queue
             .chars()
@@ -142,17 +152,25 @@ impl Topology {
                 special.then_some('\\').into_iter().chain([c])
             })
             .collect();
-        let definition = serde_json::json!({
+        let dead_lettering = serde_json::json!({
             "dead-letter-exchange": "",
             "dead-letter-routing-key": self.dead_letter_queue,
             "dead-letter-strategy": "at-least-once",
             "overflow": "reject-publish",
         });
-        DeadLetterPolicy {
-            name: format!("oncely-dead-letter-{}", self.queue),
-            pattern: format!("^{escaped}(\\.suspect)?$"),
-            definition: definition.to_string(),
-        }
+        let keeping = serde_json::json!({ "delivery-limit": DEAD_LETTER_DELIVERY_LIMIT });
+        [
+            SafetyNetPolicy {
+                name: format!("oncely-dead-letter-{}", self.queue),
+                pattern: format!("^{escaped}(\\.suspect)?$"),
+                definition: dead_lettering.to_string(),
+            },
+            SafetyNetPolicy {
+                name: format!("oncely-dead-letters-{}", self.queue),
+                pattern: format!("^{escaped}\\.dlq$"),
+                definition: keeping.to_string(),
+            },
+        ]
     }
 
     /// The work queue.
@@ -240,8 +258,15 @@ impl Topology {
             };
             channel.queue_declare(queue.into(), durable, arguments).await?;
         }
+        let mut kept = quorum();
+        if self.safety_net_declared {
+            kept.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(DEAD_LETTER_DELIVERY_LIMIT),
+            );
+        }
         channel
-            .queue_declare(self.dead_letter_queue().into(), durable, quorum())
+            .queue_declare(self.dead_letter_queue().into(), durable, kept)
             .await?;
         for (delay, queue) in self.retry_delays.iter().zip(self.retry_queues()) {
             let mut arguments = dead_lettering_to(self.queue());
@@ -316,13 +341,16 @@ mod tests {
     }
 
     #[test]
-    fn the_dead_letter_policy_matches_exactly_the_work_and_suspect_queues() {
-        let policy = Topology::new("shop.orders").dead_letter_policy();
-        assert_eq!(policy.pattern, r"^shop\.orders(\.suspect)?$");
-        assert_eq!(policy.name, "oncely-dead-letter-shop.orders");
-        let definition: serde_json::Value = serde_json::from_str(&policy.definition).unwrap();
+    fn the_safety_net_policies_match_exactly_their_queues() {
+        let [dead_lettering, keeping] = Topology::new("shop.orders").safety_net_policies();
+        assert_eq!(dead_lettering.pattern, r"^shop\.orders(\.suspect)?$");
+        assert_eq!(dead_lettering.name, "oncely-dead-letter-shop.orders");
+        let definition: serde_json::Value = serde_json::from_str(&dead_lettering.definition).unwrap();
         assert_eq!(definition["dead-letter-routing-key"], "shop.orders.dlq");
         assert_eq!(definition["dead-letter-exchange"], "");
-        assert_eq!(policy.rabbitmqctl_arguments()[0], "set_policy");
+        assert_eq!(dead_lettering.rabbitmqctl_arguments()[0], "set_policy");
+        assert_eq!(keeping.pattern, r"^shop\.orders\.dlq$");
+        let definition: serde_json::Value = serde_json::from_str(&keeping.definition).unwrap();
+        assert_eq!(definition["delivery-limit"], DEAD_LETTER_DELIVERY_LIMIT);
     }
 }

@@ -30,7 +30,7 @@ use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
 use lapin::{Connection, ConnectionProperties};
 use oncely::postgres::Table;
 use oncely::{BoxError, Envelope, Outcome, Route};
-use oncely_amqp::Runner;
+use oncely_amqp::{Runner, SuspectGate};
 use tokio_util::sync::CancellationToken;
 
 /// The command line.
@@ -54,7 +54,8 @@ struct Args {
     drain_ms: Option<u64>,
 }
 
-/// Runs two runners of `route` on the queue until the process is killed, or until drained.
+/// Runs two runners of `route` on the queue, sharing one suspect gate, until the process is
+/// killed, or until drained.
 async fn consume<S>(route: Route<S>, args: &Args)
 where
     S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
@@ -62,9 +63,13 @@ where
     S::Future: Send,
 {
     let shutdown = CancellationToken::new();
+    // One process, one gate: a suspect of either runner runs alone in the process.
+    let gate = SuspectGate::new();
     let runners: Vec<_> = (0..2)
         .map(|_| {
-            let mut runner = Runner::new(route.clone(), test_topology(&args.queue)).with_prefetch(16);
+            let mut runner = Runner::new(route.clone(), test_topology(&args.queue))
+                .with_prefetch(16)
+                .with_suspect_gate(gate.clone());
             if let Some(idle) = args.drain_ms {
                 runner = runner.with_drain(Duration::from_millis(idle));
             }

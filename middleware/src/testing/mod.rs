@@ -1,6 +1,7 @@
 //! The store suites: what every backend of a tier's store trait must do, as tests you run
 //! against your own backend (cargo feature `testing`). oncely's own backends pass them
-//! against real servers in its integration tests.
+//! against real servers in its integration tests. The [`adapter`] suite is the same for
+//! broker adapters: every adapter runs it against its real broker.
 //!
 //! Each suite is a set of async functions generic over the store, and a macro that turns
 //! them into one `#[tokio::test]` per case for your backend:
@@ -23,6 +24,7 @@
 //! out, in real time: a backend whose expiry follows another clock fails them. A failed
 //! case panics with what the backend answered.
 
+pub mod adapter;
 pub mod flag;
 pub mod lock;
 pub mod record;

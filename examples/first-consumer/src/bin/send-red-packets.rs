@@ -2,7 +2,8 @@
 //!
 //! Sends 100 red packets for 10 users to the `red-packets` queue, then 30 duplicates of them
 //! and one packet whose amount is not a number. Packet ids are new on every run; the dead
-//! letters of earlier runs are purged.
+//! letters of earlier runs are purged, and queues an earlier oncely declared with other
+//! arguments are declared anew.
 
 use first_consumer::{QUEUE, amqp};
 use oncely_amqp::{Producer, Topology};
@@ -10,9 +11,16 @@ use oncely_amqp::{Producer, Topology};
 #[tokio::main]
 async fn main() -> Result<(), oncely_amqp::Error> {
     let connection = amqp().await?;
-    let channel = connection.create_channel().await?;
     let topology = Topology::new(QUEUE);
-    topology.declare(&channel).await?;
+    if let Err(error) = topology.declare(&connection.create_channel().await?).await {
+        // Queues an earlier oncely declared with other arguments (RabbitMQ refuses to
+        // change them, and closes the channel): they are this demo's own, so it starts
+        // afresh. Your own queues need their messages moved first (see `Topology`).
+        println!("the demo's queues had other arguments ({error}); declaring them anew");
+        topology.delete(&connection.create_channel().await?).await?;
+        topology.declare(&connection.create_channel().await?).await?;
+    }
+    let channel = connection.create_channel().await?;
     // The demo's dead letters are read from its report; the last run's are of no more use.
     channel
         .queue_purge(topology.dead_letter_queue().into(), Default::default())

@@ -1,0 +1,170 @@
+//! The adapter suite's harnesses ([`oncely::testing::adapter`]): RabbitMQ (3.10 or 4.0)
+//! through the AMQP runner, and RocketMQ through the concurrent listener, each on a
+//! destination of its own.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lapin::Channel;
+use oncely::report::RunReport;
+use oncely::testing::adapter::{AdapterHarness, Features, ReadDeadLetter};
+use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
+use oncely_amqp::{DEFAULT_KEY_HEADER, Producer, Runner, Topology};
+use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
+use oncely_rocketmq::{ConcurrentListener, GroupLag};
+use tokio::runtime::Handle;
+
+use crate::amqp::{Broker, drain, header_text, start_runner, topology_with_orders};
+use crate::rocketmq::{ScratchRocketMq, namesrv_addr};
+use crate::unique;
+
+/// A RabbitMQ topology of its own, run by [`Runner`] in drain mode.
+pub struct AmqpHarness {
+    broker: Broker,
+    topology: Topology,
+    channel: Channel,
+    producer: Producer,
+    /// Dead letters taken from the queue so far (reading takes them).
+    read: Vec<ReadDeadLetter>,
+}
+
+impl AmqpHarness {
+    /// A fresh topology on `broker`.
+    pub async fn new(broker: Broker) -> Self {
+        let (topology, channel) = topology_with_orders(broker, "contract", &[]).await;
+        AmqpHarness {
+            broker,
+            topology,
+            channel,
+            producer: Producer::new(broker.connect().await),
+            read: Vec::new(),
+        }
+    }
+}
+
+impl AdapterHarness for AmqpHarness {
+    fn features(&self) -> Features {
+        Features::new(true, false, true)
+    }
+
+    fn key_extractor(&self) -> KeyExtractor {
+        KeyExtractor::header(DEFAULT_KEY_HEADER)
+    }
+
+    fn source(&self) -> String {
+        self.topology.queue().to_owned()
+    }
+
+    async fn publish(&mut self, key: Option<&str>, body: &[u8]) {
+        self.producer
+            .publish("", self.topology.queue(), body, key)
+            .await
+            .expect("publish");
+    }
+
+    async fn drain<S>(&mut self, route: Route<S>) -> RunReport
+    where
+        S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send,
+    {
+        let runner = Runner::new(route, self.topology.clone()).with_drain(Duration::from_millis(500));
+        let (_, running) = start_runner(runner, self.broker.address(), &unique("oncely-contract"));
+        let ran = tokio::time::timeout(Duration::from_secs(60), running).await;
+        ran.expect("drained within a minute")
+            .unwrap()
+            .expect("the runner ends without an error")
+    }
+
+    async fn dead_letters(&mut self) -> Vec<ReadDeadLetter> {
+        for message in drain(&self.channel, self.topology.dead_letter_queue()).await {
+            let names: Vec<String> = (message.delivery.properties.headers().as_ref())
+                .map(|headers| headers.inner().keys().map(|name| name.to_string()).collect())
+                .unwrap_or_default();
+            let metadata = names
+                .into_iter()
+                .filter_map(|name| Some((name.clone(), header_text(&message, &name)?)))
+                .collect();
+            self.read.push(ReadDeadLetter {
+                metadata,
+                body: message.delivery.data.clone(),
+            });
+        }
+        self.read.clone()
+    }
+}
+
+/// A RocketMQ topic and dead-letter topic of their own, run by [`ConcurrentListener`] until
+/// its group has no lag.
+pub struct RocketMqHarness {
+    rocketmq: ScratchRocketMq,
+    dead: Arc<Mutex<Vec<MessageExt>>>,
+}
+
+impl RocketMqHarness {
+    /// A fresh topic and dead-letter topic, created before anything subscribes.
+    pub async fn new() -> Self {
+        let mut rocketmq = ScratchRocketMq::new("contract").await;
+        rocketmq.create_topics(4).await;
+        let dead = rocketmq.collect_dead_letters().await;
+        RocketMqHarness { rocketmq, dead }
+    }
+}
+
+impl AdapterHarness for RocketMqHarness {
+    fn features(&self) -> Features {
+        Features::new(false, true, true)
+    }
+
+    fn key_extractor(&self) -> KeyExtractor {
+        KeyExtractor::broker_key()
+    }
+
+    fn source(&self) -> String {
+        self.rocketmq.topic.clone()
+    }
+
+    async fn publish(&mut self, key: Option<&str>, body: &[u8]) {
+        self.rocketmq.send(self.rocketmq.message(key, body)).await;
+    }
+
+    async fn drain<S>(&mut self, route: Route<S>) -> RunReport
+    where
+        S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send,
+    {
+        let listener = ConcurrentListener::new(route, Handle::current(), self.rocketmq.dead_letters());
+        let progress = listener.progress();
+        let (topic, group) = (self.rocketmq.topic.clone(), self.rocketmq.group.clone());
+        let lag = GroupLag::start(self.rocketmq.runtime(), &namesrv_addr(), &group, &topic)
+            .await
+            .expect("the group's lag");
+        self.rocketmq.consume_concurrently(&topic, &group, listener).await;
+        // The broker's first retry comes after 10 s.
+        let drained = progress.wait_until_drained(Duration::from_secs(2), &lag);
+        let report = tokio::time::timeout(Duration::from_secs(120), drained)
+            .await
+            .expect("the group drains within two minutes");
+        lag.shutdown().await;
+        report
+    }
+
+    async fn dead_letters(&mut self) -> Vec<ReadDeadLetter> {
+        // Each dead letter was stored before its original was acknowledged; the reader gets
+        // it a moment later.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let dead = self.dead.lock().expect("not poisoned").clone();
+        dead.iter()
+            .map(|message| ReadDeadLetter {
+                metadata: message
+                    .properties()
+                    .iter()
+                    .map(|(name, value)| (name.to_string(), value.to_string()))
+                    .collect::<HashMap<_, _>>(),
+                body: message.body().map(|body| body.to_vec()).unwrap_or_default(),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,324 @@
+//! The adapter suite: what every broker adapter must do with the outcomes of a route's
+//! stack, as cases any broker runs through an [`AdapterHarness`] (Watermill's universal
+//! pub/sub tests are the model). `adapter_suite!(make)` turns them into one test per case;
+//! see [`adapter_suite!`](crate::adapter_suite).
+//!
+//! Each case publishes a few messages to a destination of its own (the harness's queue or
+//! topic), runs the adapter's consumer over them in drain mode, and checks what a user
+//! relies on: how often the handler ran and with which attempt, the run's report, and the
+//! dead letters with their reason and metadata ([`crate::dead_letter`]). Cases that need a
+//! feature a broker lacks ([`Features`]) pass without checking it and print why.
+//!
+//! The cases that kill a consumer (a message that kills its consumer every time, a consumer
+//! killed mid-batch, a shutdown mid-batch) are not in the suite yet: each adapter tests
+//! them by hand.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::dead_letter::{ATTEMPTS, REASON, ROUTE, SOURCE};
+use crate::handler::{HandlerError, Json};
+use crate::record::{MemoryRecordStore, RecordLayer};
+use crate::report::RunReport;
+use crate::{BoxError, BusinessKey, Delivery, Envelope, KeyExtractor, Outcome, Route, handler, handler_fn};
+
+/// What a broker offers beyond the promises every adapter keeps. The retry case checks
+/// `delayed_retry`; the crash and ordering cases to come will read the other two.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Features {
+    /// The broker counts deliveries that come back unsettled (RabbitMQ's quorum queues).
+    pub native_delivery_count: bool,
+    /// Messages of one key are consumed in order (RocketMQ's orderly listener).
+    pub ordered: bool,
+    /// A retry waits out a delay on the broker before it comes back.
+    pub delayed_retry: bool,
+}
+
+impl Features {
+    /// The features named: `native_delivery_count`, `ordered`, `delayed_retry`.
+    pub fn new(native_delivery_count: bool, ordered: bool, delayed_retry: bool) -> Self {
+        Features {
+            native_delivery_count,
+            ordered,
+            delayed_retry,
+        }
+    }
+}
+
+/// A dead letter read back from the broker: its metadata by name (AMQP headers, RocketMQ
+/// user properties, as text) and its body.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReadDeadLetter {
+    /// The metadata, by name.
+    pub metadata: HashMap<String, String>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+/// A broker, one destination of its own, and its adapter's consumer, as the cases drive
+/// them. A fresh harness per case.
+pub trait AdapterHarness: Send {
+    /// What the broker offers.
+    fn features(&self) -> Features;
+
+    /// Where a route of this broker reads the business key that [`publish`](Self::publish)
+    /// gives a message (an AMQP header, RocketMQ's `KEYS`).
+    fn key_extractor(&self) -> KeyExtractor;
+
+    /// The name the dead-letter metadata gives the destination ([`SOURCE`]).
+    fn source(&self) -> String;
+
+    /// Publishes `body` to the destination with the business key `key` (none: the message
+    /// has no key), and waits until the broker stored it.
+    fn publish(&mut self, key: Option<&str>, body: &[u8]) -> impl Future<Output = ()> + Send;
+
+    /// Runs the adapter's consumer of the destination with `route` until the run is
+    /// drained — nothing in flight, nothing waiting, retries included — and returns its
+    /// report.
+    fn drain<S>(&mut self, route: Route<S>) -> impl Future<Output = RunReport> + Send
+    where
+        S: tower_service::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send;
+
+    /// The dead letters of the destination so far.
+    fn dead_letters(&mut self) -> impl Future<Output = Vec<ReadDeadLetter>> + Send;
+}
+
+/// Runs the adapter suite against a broker: `adapter_suite!(make)` generates one
+/// `#[tokio::test]` per case, in a module `adapter`, each with the harness the async
+/// function `make` returns. See the [module docs](crate::testing::adapter).
+#[macro_export]
+macro_rules! adapter_suite {
+    ($make:ident) => {
+        $crate::__adapter_suite!(
+            $make,
+            [
+                a_processed_message_is_acknowledged_once,
+                a_duplicate_is_acknowledged_without_a_second_effect,
+                a_retry_comes_back_with_the_next_attempt,
+                a_permanent_failure_is_dead_lettered_with_its_reason,
+                each_kind_of_poison_is_dead_lettered_with_its_reason
+            ]
+        );
+    };
+}
+
+/// Turns the adapter suite's cases into tests; see [`adapter_suite!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __adapter_suite {
+    ($make:ident, [$($case:ident),* $(,)?]) => {
+        mod adapter {
+            $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                $crate::testing::adapter::$case(super::$make().await).await
+            }
+            )*
+        }
+    };
+}
+
+/// One handler run: its attempt, and when it started.
+type Run = (u32, Instant);
+
+/// Counts handler runs per business key, with the attempt and the time of each.
+#[derive(Clone, Default)]
+struct Runs(Arc<Mutex<BTreeMap<String, Vec<Run>>>>);
+
+impl Runs {
+    fn record(&self, key: &str, attempt: u32) {
+        let mut runs = self.0.lock().expect("not poisoned");
+        runs.entry(key.to_owned())
+            .or_default()
+            .push((attempt, Instant::now()));
+    }
+
+    fn attempts(&self) -> BTreeMap<String, Vec<u32>> {
+        let runs = self.0.lock().expect("not poisoned");
+        let attempts = |runs: &Vec<Run>| runs.iter().map(|(attempt, _)| *attempt).collect();
+        runs.iter()
+            .map(|(key, runs)| (key.clone(), attempts(runs)))
+            .collect()
+    }
+
+    /// The time between the first two runs of `key`.
+    fn between_first_two(&self, key: &str) -> Option<Duration> {
+        let runs = self.0.lock().expect("not poisoned");
+        match runs.get(key)?.as_slice() {
+            [(_, first), (_, second), ..] => Some(second.duration_since(*first)),
+            _ => None,
+        }
+    }
+}
+
+/// A handler that counts its runs and answers `answer(attempt)`.
+fn counting<H: AdapterHarness>(
+    harness: &H,
+    name: &str,
+    runs: &Runs,
+    answer: fn(u32) -> Result<(), HandlerError>,
+) -> Route<
+    impl tower_service::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
+    + Clone
+    + Send
+    + Sync
+    + 'static,
+> {
+    let runs = runs.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        runs.record(envelope.key().as_str(), envelope.delivery().attempt());
+        let answered = answer(envelope.delivery().attempt());
+        async move { answered }
+    });
+    Route::new(name, harness.key_extractor(), handler)
+}
+
+fn keys(runs: &[(&str, &[u32])]) -> BTreeMap<String, Vec<u32>> {
+    runs.iter()
+        .map(|(key, attempts)| ((*key).to_owned(), attempts.to_vec()))
+        .collect()
+}
+
+/// Processed → acknowledged once: each message runs once, nothing comes back, nothing is
+/// dead-lettered.
+pub async fn a_processed_message_is_acknowledged_once<H: AdapterHarness>(mut harness: H) {
+    for key in ["o-1", "o-2", "o-3"] {
+        harness.publish(Some(key), br#"{"amount":1}"#).await;
+    }
+    let runs = Runs::default();
+    let report = harness
+        .drain(counting(&harness, "processed", &runs, |_| Ok(())))
+        .await;
+    assert_eq!(
+        runs.attempts(),
+        keys(&[("o-1", &[1]), ("o-2", &[1]), ("o-3", &[1])])
+    );
+    assert_eq!(report.processed, 3, "{report}");
+    assert!(report.drained, "{report}");
+    assert!(harness.dead_letters().await.is_empty());
+}
+
+/// Duplicate → acknowledged, no second effect: a copy of a processed key is answered by the
+/// tier that remembers it, and the handler does not run again.
+pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarness>(mut harness: H) {
+    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    let runs = Runs::default();
+    let counted = runs.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        counted.record(envelope.key().as_str(), envelope.delivery().attempt());
+        async { Ok::<(), HandlerError>(()) }
+    });
+    let stack = tower_layer::Layer::layer(&RecordLayer::new(MemoryRecordStore::new()), handler);
+    let report = harness
+        .drain(Route::new("duplicate", harness.key_extractor(), stack))
+        .await;
+    assert_eq!(runs.attempts(), keys(&[("o-1", &[1])]), "one effect");
+    assert_eq!(report.processed, 1, "{report}");
+    assert_eq!(report.duplicates.values().sum::<u64>(), 1, "{report}");
+    assert!(harness.dead_letters().await.is_empty());
+}
+
+/// The shortest wait a broker with delayed retries may call a delay.
+const SHORTEST_RETRY_DELAY: Duration = Duration::from_millis(50);
+
+/// Retry → back with attempt + 1 (after the broker's delay, where it has one
+/// ([`Features::delayed_retry`]): not before [`SHORTEST_RETRY_DELAY`]), then processed.
+pub async fn a_retry_comes_back_with_the_next_attempt<H: AdapterHarness>(mut harness: H) {
+    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    let runs = Runs::default();
+    let fails_first = |attempt| match attempt {
+        1 => Err(HandlerError::transient("downstream unavailable")),
+        _ => Ok(()),
+    };
+    let report = harness
+        .drain(counting(&harness, "retry", &runs, fails_first))
+        .await;
+    assert_eq!(runs.attempts(), keys(&[("o-1", &[1, 2])]));
+    assert_eq!(report.processed, 1, "{report}");
+    assert_eq!(report.retries.get("handler_failed"), Some(&1), "{report}");
+    if harness.features().delayed_retry {
+        let waited = runs.between_first_two("o-1").expect("two runs");
+        assert!(
+            waited >= SHORTEST_RETRY_DELAY,
+            "came back after {waited:?}: no delay"
+        );
+    }
+    assert!(harness.dead_letters().await.is_empty());
+}
+
+/// Checks one dead letter's reason code and metadata.
+fn assert_dead_letter<H: AdapterHarness>(harness: &H, dead: &ReadDeadLetter, reason: &str, route: &str) {
+    let field = |name: &str| dead.metadata.get(name).map(String::as_str);
+    assert_eq!(field(REASON), Some(reason), "{:?}", dead.metadata);
+    assert_eq!(field(ATTEMPTS), Some("1"), "{:?}", dead.metadata);
+    assert_eq!(field(ROUTE), Some(route), "{:?}", dead.metadata);
+    assert_eq!(
+        field(SOURCE),
+        Some(harness.source().as_str()),
+        "{:?}",
+        dead.metadata
+    );
+}
+
+/// Permanent failure → dead letter with the reason `rejected`, the original body and the
+/// metadata, at once (no retry).
+pub async fn a_permanent_failure_is_dead_lettered_with_its_reason<H: AdapterHarness>(mut harness: H) {
+    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    let runs = Runs::default();
+    let rejects = |_| Err(HandlerError::permanent("unknown account"));
+    let report = harness.drain(counting(&harness, "rejects", &runs, rejects)).await;
+    assert_eq!(runs.attempts(), keys(&[("o-1", &[1])]), "not retried");
+    assert_eq!(report.dead_letters.get("rejected"), Some(&1), "{report}");
+    let dead = harness.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_dead_letter(&harness, &dead[0], "rejected", "rejects");
+    assert_eq!(dead[0].body, br#"{"amount":1}"#);
+}
+
+/// Each kind of poison → a dead letter with its reason, without running the handler: no
+/// business key, a key with control characters, a body over the route's limit, and a body
+/// that does not deserialise into the handler's type.
+pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarness>(mut harness: H) {
+    harness.publish(None, br#"{"amount":1}"#).await;
+    harness.publish(Some("o-\u{7}1"), br#"{"amount":1}"#).await;
+    harness.publish(Some("o-big"), &[b'7'; 4096]).await;
+    harness.publish(Some("o-bad"), b"not JSON").await;
+    harness.publish(Some("o-ok"), br#"{"amount":1}"#).await;
+    let runs = Runs::default();
+    let counted = runs.clone();
+    let typed = handler(
+        move |key: BusinessKey, delivery: Delivery, Json(_): Json<Value>| {
+            counted.record(key.as_str(), delivery.attempt());
+            async { Ok::<(), HandlerError>(()) }
+        },
+    );
+    let route = Route::new("poison", harness.key_extractor(), typed).with_max_body_len(1024);
+    let report = harness.drain(route).await;
+    assert_eq!(
+        runs.attempts(),
+        keys(&[("o-ok", &[1])]),
+        "only the good message ran"
+    );
+    let mut reasons: Vec<String> = harness
+        .dead_letters()
+        .await
+        .iter()
+        .inspect(|dead| assert_dead_letter(&harness, dead, &dead.metadata[REASON], "poison"))
+        .map(|dead| dead.metadata[REASON].clone())
+        .collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        ["bad_body", "invalid_key", "invalid_key", "oversize"],
+        "{report}"
+    );
+    assert_eq!(report.processed, 1, "{report}");
+}
