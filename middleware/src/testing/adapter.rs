@@ -230,7 +230,7 @@ pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarne
 const SHORTEST_RETRY_DELAY: Duration = Duration::from_millis(50);
 
 /// Retry → back with attempt + 1 (after the broker's delay, where it has one
-/// ([`Features::delayed_retry`]): not before [`SHORTEST_RETRY_DELAY`]), then processed.
+/// ([`Features::delayed_retry`]): not before 50 ms), then processed.
 pub async fn a_retry_comes_back_with_the_next_attempt<H: AdapterHarness>(mut harness: H) {
     harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
