@@ -10,7 +10,7 @@ use lapin::Channel;
 use oncely::report::RunReport;
 use oncely::testing::adapter::{AdapterHarness, Features, ReadDeadLetter};
 use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
-use oncely_amqp::{DEFAULT_KEY_HEADER, Producer, Runner, Topology};
+use oncely_amqp::{DEFAULT_KEY_HEADER, ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::{ConcurrentListener, GroupLag};
 use tokio::runtime::Handle;
@@ -93,6 +93,11 @@ impl AdapterHarness for AmqpHarness {
         }
         self.read.clone()
     }
+
+    fn check_own_metadata(&self, dead: &ReadDeadLetter) {
+        let routing_key = dead.metadata.get(ORIGINAL_ROUTING_KEY_HEADER).map(String::as_str);
+        assert_eq!(routing_key, Some(self.topology.queue()), "{:?}", dead.metadata);
+    }
 }
 
 /// A RocketMQ topic and dead-letter topic of their own, run by [`ConcurrentListener`] until
@@ -148,6 +153,8 @@ impl AdapterHarness for RocketMqHarness {
             .await
             .expect("the group drains within two minutes");
         lag.shutdown().await;
+        // The next drain starts a consumer of the group with its own route.
+        self.rocketmq.stop_latest_consumer().await;
         report
     }
 

@@ -208,6 +208,13 @@ impl ScratchRocketMq {
         self.consumers.push(consumer);
     }
 
+    /// Shuts down the consumer started last.
+    pub async fn stop_latest_consumer(&mut self) {
+        if let Some(mut consumer) = self.consumers.pop() {
+            consumer.shutdown().await;
+        }
+    }
+
     /// Shuts down the consumers started so far.
     pub async fn stop_consumers(&mut self) {
         for consumer in &mut self.consumers {

@@ -10,14 +10,13 @@ use integration_tests::amqp::{
     FLAG_RECORD_LEASE, close_connections_named, connect, drain, header_text, orders_route, ready_messages,
     scratch_topology,
 };
-use integration_tests::dead_letter;
 use integration_tests::postgres::schema_pool;
 use integration_tests::postgres::{ScratchSchema, pool};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::{Envelope, HandlerError, Json, KeyExtractor, Route, handler_fn};
-use oncely_amqp::{ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
+use oncely_amqp::{Producer, Runner, Topology};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceBuilder;
 
@@ -385,50 +384,6 @@ impl Drop for ConsumerProcess {
     }
 }
 
-/// A route whose handler fails with a transient error on its first `failures` runs and
-/// records the attempt numbers it saw.
-fn flaky_route(
-    failures: u32,
-    attempts_seen: Arc<std::sync::Mutex<Vec<u32>>>,
-    max_attempts: u32,
-) -> Route<
-    impl tower::Service<Envelope, Response = oncely::Outcome, Error = std::convert::Infallible, Future: Send>
-    + Clone
-    + Send
-    + Sync,
-> {
-    let runs = Arc::new(AtomicU32::new(0));
-    let handler = handler_fn(move |envelope: Envelope| {
-        let (runs, attempts_seen) = (runs.clone(), attempts_seen.clone());
-        async move {
-            attempts_seen.lock().unwrap().push(envelope.delivery().attempt());
-            if runs.fetch_add(1, Ordering::SeqCst) < failures {
-                return Err(HandlerError::transient("downstream unavailable"));
-            }
-            Ok(())
-        }
-    });
-    Route::new("flaky", KeyExtractor::json_pointer("/orderId"), handler).with_max_attempts(max_attempts)
-}
-
-async fn run_until<S>(route: Route<S>, topology: &Topology, done: impl AsyncFn() -> bool)
-where
-    S: tower::Service<Envelope, Response = oncely::Outcome> + Clone + Send + Sync + 'static,
-    S::Error: Into<oncely::BoxError>,
-    S::Future: Send,
-{
-    let shutdown = CancellationToken::new();
-    let channel = connect().await.unwrap().create_channel().await.unwrap();
-    let runner = Runner::new(route, topology.clone());
-    let running = {
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move { runner.run(&channel, &shutdown).await })
-    };
-    wait_until(Duration::from_secs(30), || done()).await;
-    shutdown.cancel();
-    running.await.unwrap().unwrap();
-}
-
 /// A fresh topology holding `bodies`, and a channel to inspect it with.
 async fn queue_with(name: &str, bodies: &[&[u8]]) -> (Topology, lapin::Channel) {
     let topology = scratch_topology(name);
@@ -439,94 +394,6 @@ async fn queue_with(name: &str, bodies: &[&[u8]]) -> (Topology, lapin::Channel) 
         producer.publish("", topology.queue(), body, None).await.unwrap();
     }
     (topology, channel)
-}
-
-#[tokio::test]
-async fn poison_messages_go_to_the_dead_letter_queue_with_the_reason() {
-    let poison: [&[u8]; 3] = [b"not json", br#"{"sku":"no order id"}"#, b"\xff\xfe"];
-    let (topology, channel) = queue_with("poison", &poison).await;
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let dlq = topology.dead_letter_queue();
-    run_until(flaky_route(0, seen.clone(), 16), &topology, async || {
-        ready_messages(&channel, dlq).await == 3
-    })
-    .await;
-
-    let dead = drain(&channel, dlq).await;
-    assert_eq!(dead.len(), 3);
-    for message in &dead {
-        let message_id = message
-            .delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.as_str());
-        dead_letter::assert_metadata(
-            |name| header_text(message, name),
-            &dead_letter::Expected {
-                reason: "invalid_key",
-                attempts: 1,
-                route: "flaky",
-                source: topology.queue(),
-                message_id: Some(message_id.expect("the producer stamps a message id")),
-            },
-        );
-        assert_eq!(
-            header_text(message, ORIGINAL_ROUTING_KEY_HEADER).as_deref(),
-            Some(topology.queue())
-        );
-    }
-    assert!(seen.lock().unwrap().is_empty(), "the handler never saw poison");
-    topology.delete(&channel).await.unwrap();
-}
-
-#[tokio::test]
-async fn a_retry_is_redelivered_after_its_delay_and_processed_once() {
-    let (topology, channel) = queue_with("retry", &[&order_body(1)]).await;
-
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let started = Instant::now();
-    let seen_in = seen.clone();
-    run_until(flaky_route(1, seen.clone(), 16), &topology, async || {
-        seen_in.lock().unwrap().len() >= 2
-    })
-    .await;
-    assert!(
-        started.elapsed() >= Duration::from_millis(100),
-        "the retry waited in the 100 ms queue"
-    );
-    assert_eq!(
-        *seen.lock().unwrap(),
-        vec![1, 2],
-        "first delivery, then the retry as attempt 2"
-    );
-    assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
-    topology.delete(&channel).await.unwrap();
-}
-
-#[tokio::test]
-async fn exhausted_attempts_go_to_the_dead_letter_queue() {
-    let (topology, channel) = queue_with("exhausted", &[&order_body(1)]).await;
-
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let dlq = topology.dead_letter_queue();
-    run_until(flaky_route(u32::MAX, seen.clone(), 3), &topology, async || {
-        ready_messages(&channel, dlq).await == 1
-    })
-    .await;
-    let dead = drain(&channel, dlq).await;
-    dead_letter::assert_metadata(
-        |name| header_text(&dead[0], name),
-        &dead_letter::Expected {
-            reason: "attempts_exhausted",
-            attempts: 3,
-            route: "flaky",
-            source: topology.queue(),
-            message_id: None,
-        },
-    );
-    assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
-    topology.delete(&channel).await.unwrap();
 }
 
 #[tokio::test]

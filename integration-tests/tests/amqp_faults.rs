@@ -634,9 +634,29 @@ async fn runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_cra
             .with_shutdown_grace(Duration::from_millis(100))
             .with_suspect_gate(gate.clone())
     };
+    let (runner_a, runner_b) = (runner(&poisoned), runner(&innocent));
+    // One consumer process: both runners on one connection, so that a crash takes both at
+    // the same instant; started again on a new connection after each crash.
     let name = unique("oncely-test-gate");
-    let (stop_a, running_a) = start_runner(runner(&poisoned), broker.address(), &name);
-    let (stop_b, running_b) = start_runner(runner(&innocent), broker.address(), &name);
+    let stop = CancellationToken::new();
+    let process = {
+        let (stop, address, name) = (stop.clone(), broker.address(), name.clone());
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
+                let Ok(connection) = Connection::connect(&address, properties).await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let (a, b) = (
+                    connection.create_channel().await,
+                    connection.create_channel().await,
+                );
+                let (Ok(a), Ok(b)) = (a, b) else { continue };
+                let _ = tokio::join!(runner_a.run(&a, &stop), runner_b.run(&b, &stop));
+            }
+        })
+    };
     let killer = crash_on_notify(broker, &name, crashed.clone());
     wait_until(Duration::from_secs(60), || async {
         ready_messages(&channel, poisoned.dead_letter_queue()).await == 1
@@ -645,8 +665,8 @@ async fn runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_cra
     })
     .await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    stop_runner(stop_a, running_a).await;
-    stop_runner(stop_b, running_b).await;
+    stop.cancel();
+    process.await.unwrap();
     killer.abort();
     assert_eq!(
         ready_messages(&channel, innocent.dead_letter_queue()).await,

@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use integration_tests::dead_letter;
 use integration_tests::outcomes::OutcomeLog;
 use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
 use integration_tests::rocketmq::{ScratchRocketMq, namesrv_addr, property};
@@ -379,66 +378,6 @@ async fn the_orderly_listener_applies_only_forward_transitions_and_acknowledges_
             "shipment s-{shipment} applied in queue order, forward only"
         );
     }
-    rocketmq.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn poison_goes_to_the_dead_letter_topic_with_the_reason() {
-    let schema = points_schema().await;
-    let log = OutcomeLog::new();
-    let mut rocketmq = ScratchRocketMq::new("poison").await;
-    let dead_letters = rocketmq.collect_dead_letters().await;
-
-    let route = points_route(&schema, &log, 0).await;
-    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
-    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
-    rocketmq
-        .send(rocketmq.message(Some("order_1"), &payment_body(1)))
-        .await;
-    rocketmq.consume_concurrently(&topic, &group, listener).await;
-    wait_until(Duration::from_secs(60), || async { log.len() == 1 }).await;
-
-    // No KEYS: no business key. The same KEYS with another payload: a key reused by mistake.
-    rocketmq.send(rocketmq.message(None, &payment_body(2))).await;
-    let mut reused = rocketmq.message(Some("order_1"), &payment_body(3));
-    MessageClientIDSetter::set_uniq_id(&mut reused);
-    let reused_id = MessageClientIDSetter::get_uniq_id(&reused).unwrap().to_string();
-    rocketmq.send(reused).await;
-
-    wait_until(Duration::from_secs(60), || async {
-        dead_letters.lock().unwrap().len() >= 2
-    })
-    .await;
-    let dead = dead_letters.lock().unwrap().clone();
-    let mut reasons: Vec<_> = dead
-        .iter()
-        .filter_map(|message| property(message, oncely::dead_letter::REASON))
-        .collect();
-    reasons.sort();
-    assert_eq!(reasons, ["invalid_key", "payload_mismatch"]);
-    for message in &dead {
-        let reason = property(message, oncely::dead_letter::REASON).unwrap();
-        let expected = dead_letter::Expected {
-            reason: &reason,
-            attempts: 1,
-            route: "credit_points",
-            source: &topic,
-            // The reused message's id is known: the test set it.
-            message_id: (reason == "payload_mismatch").then_some(reused_id.as_str()),
-        };
-        dead_letter::assert_metadata(|name| property(message, name), &expected);
-    }
-    let mismatch = dead
-        .iter()
-        .find(|message| property(message, oncely::dead_letter::REASON).as_deref() == Some("payload_mismatch"))
-        .unwrap();
-    assert_eq!(mismatch.body().as_deref(), Some(&payment_body(3)[..]));
-    assert_eq!(property(mismatch, "KEYS").as_deref(), Some("order_1"));
-    assert_eq!(
-        schema.count("SELECT count(*) FROM points").await,
-        1,
-        "poison credited nothing"
-    );
     rocketmq.shutdown().await;
 }
 

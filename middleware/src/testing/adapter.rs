@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::dead_letter::{ATTEMPTS, REASON, ROUTE, SOURCE};
+use crate::dead_letter::{ATTEMPTS, MESSAGE_ID, REASON, ROUTE, SOURCE};
 use crate::handler::{HandlerError, Json};
 use crate::record::{MemoryRecordStore, RecordLayer};
 use crate::report::RunReport;
@@ -88,6 +88,12 @@ pub trait AdapterHarness: Send {
 
     /// The dead letters of the destination so far.
     fn dead_letters(&mut self) -> impl Future<Output = Vec<ReadDeadLetter>> + Send;
+
+    /// Checks what this adapter adds to every dead letter beside the shared schema (AMQP:
+    /// the original routing key); panics if it is missing. Nothing by default.
+    fn check_own_metadata(&self, dead: &ReadDeadLetter) {
+        let _ = dead;
+    }
 }
 
 /// Runs the adapter suite against a broker: `adapter_suite!(make)` generates one
@@ -102,6 +108,7 @@ macro_rules! adapter_suite {
                 a_processed_message_is_acknowledged_once,
                 a_duplicate_is_acknowledged_without_a_second_effect,
                 a_retry_comes_back_with_the_next_attempt,
+                exhausted_attempts_are_dead_lettered,
                 a_permanent_failure_is_dead_lettered_with_its_reason,
                 each_kind_of_poison_is_dead_lettered_with_its_reason
             ]
@@ -206,7 +213,8 @@ pub async fn a_processed_message_is_acknowledged_once<H: AdapterHarness>(mut har
 }
 
 /// Duplicate → acknowledged, no second effect: a copy of a processed key is answered by the
-/// tier that remembers it, and the handler does not run again.
+/// tier that remembers it, and the handler does not run again. The same key with another
+/// payload (a key reused by mistake) is dead-lettered as `payload_mismatch`.
 pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarness>(mut harness: H) {
     harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
     harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
@@ -217,13 +225,20 @@ pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarne
         async { Ok::<(), HandlerError>(()) }
     });
     let stack = tower_layer::Layer::layer(&RecordLayer::new(MemoryRecordStore::new()), handler);
-    let report = harness
-        .drain(Route::new("duplicate", harness.key_extractor(), stack))
-        .await;
+    let route = Route::new("duplicate", harness.key_extractor(), stack);
+    let report = harness.drain(route.clone()).await;
     assert_eq!(runs.attempts(), keys(&[("o-1", &[1])]), "one effect");
     assert_eq!(report.processed, 1, "{report}");
     assert_eq!(report.duplicates.values().sum::<u64>(), 1, "{report}");
     assert!(harness.dead_letters().await.is_empty());
+
+    harness.publish(Some("o-1"), br#"{"amount":2}"#).await;
+    let report = harness.drain(route).await;
+    assert_eq!(runs.attempts(), keys(&[("o-1", &[1])]), "still one effect");
+    let dead = harness.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{report}");
+    assert_dead_letter(&harness, &dead[0], "payload_mismatch", 1, "duplicate");
+    assert_eq!(dead[0].body, br#"{"amount":2}"#);
 }
 
 /// The shortest wait a broker with delayed retries may call a delay.
@@ -254,11 +269,38 @@ pub async fn a_retry_comes_back_with_the_next_attempt<H: AdapterHarness>(mut har
     assert!(harness.dead_letters().await.is_empty());
 }
 
-/// Checks one dead letter's reason code and metadata.
-fn assert_dead_letter<H: AdapterHarness>(harness: &H, dead: &ReadDeadLetter, reason: &str, route: &str) {
+/// Exhausted attempts → dead letter with the reason `attempts_exhausted` at the route's
+/// last attempt, after a retry for each attempt before it.
+pub async fn exhausted_attempts_are_dead_lettered<H: AdapterHarness>(mut harness: H) {
+    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    let runs = Runs::default();
+    let always_fails = |_| Err(HandlerError::transient("downstream unavailable"));
+    let route = counting(&harness, "exhausted", &runs, always_fails).with_max_attempts(3);
+    let report = harness.drain(route).await;
+    assert_eq!(runs.attempts(), keys(&[("o-1", &[1, 2, 3])]));
+    assert_eq!(report.retries.get("handler_failed"), Some(&2), "{report}");
+    let dead = harness.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{report}");
+    assert_dead_letter(&harness, &dead[0], "attempts_exhausted", 3, "exhausted");
+}
+
+/// Checks one dead letter's reason code and metadata: the shared schema (with a message id:
+/// the harnesses' producers give every message one), then the adapter's own.
+fn assert_dead_letter<H: AdapterHarness>(
+    harness: &H,
+    dead: &ReadDeadLetter,
+    reason: &str,
+    attempts: u32,
+    route: &str,
+) {
     let field = |name: &str| dead.metadata.get(name).map(String::as_str);
     assert_eq!(field(REASON), Some(reason), "{:?}", dead.metadata);
-    assert_eq!(field(ATTEMPTS), Some("1"), "{:?}", dead.metadata);
+    assert_eq!(
+        field(ATTEMPTS),
+        Some(attempts.to_string().as_str()),
+        "{:?}",
+        dead.metadata
+    );
     assert_eq!(field(ROUTE), Some(route), "{:?}", dead.metadata);
     assert_eq!(
         field(SOURCE),
@@ -266,6 +308,12 @@ fn assert_dead_letter<H: AdapterHarness>(harness: &H, dead: &ReadDeadLetter, rea
         "{:?}",
         dead.metadata
     );
+    assert!(
+        field(MESSAGE_ID).is_some_and(|id| !id.is_empty()),
+        "{:?}",
+        dead.metadata
+    );
+    harness.check_own_metadata(dead);
 }
 
 /// Permanent failure → dead letter with the reason `rejected`, the original body and the
@@ -279,18 +327,19 @@ pub async fn a_permanent_failure_is_dead_lettered_with_its_reason<H: AdapterHarn
     assert_eq!(report.dead_letters.get("rejected"), Some(&1), "{report}");
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_dead_letter(&harness, &dead[0], "rejected", "rejects");
+    assert_dead_letter(&harness, &dead[0], "rejected", 1, "rejects");
     assert_eq!(dead[0].body, br#"{"amount":1}"#);
 }
 
 /// Each kind of poison → a dead letter with its reason, without running the handler: no
-/// business key, a key with control characters, a body over the route's limit, and a body
-/// that does not deserialise into the handler's type.
+/// business key, a key with control characters, a body over the route's limit, and bodies
+/// that do not deserialise into the handler's type (not JSON, not UTF-8).
 pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarness>(mut harness: H) {
     harness.publish(None, br#"{"amount":1}"#).await;
     harness.publish(Some("o-\u{7}1"), br#"{"amount":1}"#).await;
     harness.publish(Some("o-big"), &[b'7'; 4096]).await;
     harness.publish(Some("o-bad"), b"not JSON").await;
+    harness.publish(Some("o-bytes"), b"\xff\xfe").await;
     harness.publish(Some("o-ok"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
     let counted = runs.clone();
@@ -307,18 +356,16 @@ pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarn
         keys(&[("o-ok", &[1])]),
         "only the good message ran"
     );
-    let mut reasons: Vec<String> = harness
-        .dead_letters()
-        .await
+    let dead = harness.dead_letters().await;
+    for letter in &dead {
+        assert_dead_letter(&harness, letter, &letter.metadata[REASON], 1, "poison");
+    }
+    let mut reasons: Vec<&str> = dead
         .iter()
-        .inspect(|dead| assert_dead_letter(&harness, dead, &dead.metadata[REASON], "poison"))
-        .map(|dead| dead.metadata[REASON].clone())
+        .map(|letter| letter.metadata[REASON].as_str())
         .collect();
     reasons.sort();
-    assert_eq!(
-        reasons,
-        ["bad_body", "invalid_key", "invalid_key", "oversize"],
-        "{report}"
-    );
+    let expected = ["bad_body", "bad_body", "invalid_key", "invalid_key", "oversize"];
+    assert_eq!(reasons, expected, "{report}");
     assert_eq!(report.processed, 1, "{report}");
 }
