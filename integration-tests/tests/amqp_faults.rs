@@ -37,6 +37,14 @@ on_both_brokers!(
     runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_crash,
 );
 
+/// A fresh topology holding the order `poison`, then `oks` orders `ok-0`, `ok-1`, ….
+async fn poison_among_oks(broker: Broker, name: &str, oks: usize) -> (Topology, lapin::Channel) {
+    let mut orders = vec!["poison".to_owned()];
+    orders.extend((0..oks).map(|n| format!("ok-{n}")));
+    let order_refs: Vec<&str> = orders.iter().map(String::as_str).collect();
+    topology_with_orders(broker, name, &order_refs).await
+}
+
 /// Asserts that `message`, taken from the dead-letter queue of `topology`, carries the
 /// dead-letter metadata with `reason`, `attempts` and `route`.
 fn assert_dead_letter(
@@ -97,10 +105,7 @@ async fn panicking_handlers_never_stall_the_consumer_and_are_dead_lettered_as_pa
 async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_the_rest_flow(
     broker: Broker,
 ) {
-    let mut orders = vec!["poison".to_owned()];
-    orders.extend((0..20).map(|n| format!("ok-{n}")));
-    let order_refs: Vec<&str> = orders.iter().map(String::as_str).collect();
-    let (topology, channel) = topology_with_orders(broker, "crash-loop", &order_refs).await;
+    let (topology, channel) = poison_among_oks(broker, "crash-loop", 20).await;
     let runs = Runs::default();
     let crashed = Arc::new(Notify::new());
     let (counted, crash) = (runs.clone(), crashed.clone());
@@ -533,10 +538,7 @@ async fn counters_a_producer_sets_on_a_first_delivery_change_nothing(broker: Bro
 }
 
 async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_it(broker: Broker) {
-    let mut orders = vec!["poison".to_owned()];
-    orders.extend((0..9).map(|n| format!("ok-{n}")));
-    let order_refs: Vec<&str> = orders.iter().map(String::as_str).collect();
-    let (topology, channel) = topology_with_orders(broker, "caught", &order_refs).await;
+    let (topology, channel) = poison_among_oks(broker, "caught", 9).await;
     let runs = Runs::default();
     let crashed = Arc::new(Notify::new());
     let (counted, crash) = (runs.clone(), crashed.clone());
