@@ -171,8 +171,10 @@ ensure_rabbitmq4() {
     # No service starts inside the root on its own: the node below is started by hand.
     printf '#!/bin/sh\nexit 101\n' >"$root.partial/usr/sbin/policy-rc.d"
     chmod +x "$root.partial/usr/sbin/policy-rc.d"
+    # apt in the root complains that it has no terminal for its log; only a failure matters.
     chroot "$root.partial" bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y -qq --no-install-recommends rabbitmq-server' >/dev/null
+      apt-get install -y -qq --no-install-recommends rabbitmq-server' >"$root.install.log" 2>&1 ||
+      { cat "$root.install.log" >&2; die "rabbitmq4: installing rabbitmq-server in $root.partial failed"; }
     mv "$root.partial" "$root"
   fi
   mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"

@@ -6,16 +6,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lapin::Channel;
+use lapin::{Channel, Connection, ConnectionProperties};
 use oncely::report::RunReport;
-use oncely::testing::adapter::{AdapterHarness, Features, ReadDeadLetter};
+use oncely::testing::adapter::{AdapterHarness, Crashes, Features, ReadDeadLetter};
 use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
 use oncely_amqp::{DEFAULT_KEY_HEADER, ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::{ConcurrentListener, GroupLag};
 use tokio::runtime::Handle;
+use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{Broker, drain, header_text, start_runner, topology_with_orders};
+use crate::amqp::{Broker, close_connections_on, drain, header_text, start_runner, topology_with_orders};
 use crate::rocketmq::{ScratchRocketMq, namesrv_addr};
 use crate::unique;
 
@@ -94,6 +95,51 @@ impl AdapterHarness for AmqpHarness {
         self.read.clone()
     }
 
+    async fn drain_crashing<S>(&mut self, route: Route<S>, crashes: Crashes, max_deliveries: u32) -> RunReport
+    where
+        S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send,
+    {
+        let runner = Runner::new(route, self.topology.clone())
+            .with_drain(Duration::from_millis(500))
+            .with_max_deliveries(max_deliveries)
+            .with_shutdown_grace(Duration::from_millis(100));
+        // The consumer process: one connection, which a crash closes on the broker's side
+        // (everything unsettled goes back at once), then a new one.
+        let name = unique("oncely-contract-crashing");
+        let killer = {
+            let (broker, name) = (self.broker, name.clone());
+            tokio::spawn(async move {
+                loop {
+                    crashes.asked().await;
+                    let name = name.clone();
+                    let _ = tokio::task::spawn_blocking(move || close_connections_on(broker, &name)).await;
+                }
+            })
+        };
+        let process = async {
+            loop {
+                let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
+                let Ok(connection) = Connection::connect(&self.broker.address(), properties).await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let Ok(channel) = connection.create_channel().await else {
+                    continue;
+                };
+                if let Ok(report) = runner.run(&channel, &CancellationToken::new()).await
+                    && report.drained
+                {
+                    return report;
+                }
+            }
+        };
+        let report = tokio::time::timeout(Duration::from_secs(90), process).await;
+        killer.abort();
+        report.expect("drained within 90 s")
+    }
+
     fn check_own_metadata(&self, dead: &ReadDeadLetter) {
         let routing_key = dead.metadata.get(ORIGINAL_ROUTING_KEY_HEADER).map(String::as_str);
         assert_eq!(routing_key, Some(self.topology.queue()), "{:?}", dead.metadata);
@@ -156,6 +202,15 @@ impl AdapterHarness for RocketMqHarness {
         // The next drain starts a consumer of the group with its own route.
         self.rocketmq.stop_latest_consumer().await;
         report
+    }
+
+    async fn drain_crashing<S>(&mut self, _: Route<S>, _: Crashes, _: u32) -> RunReport
+    where
+        S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send,
+    {
+        unreachable!("RocketMQ has no native delivery count: the suite does not crash its consumer")
     }
 
     async fn dead_letters(&mut self) -> Vec<ReadDeadLetter> {

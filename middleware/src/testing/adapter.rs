@@ -50,6 +50,29 @@ impl Features {
     }
 }
 
+/// How a case's handler takes its consumer down: [`crash`](Crashes::crash) tells the
+/// harness, which kills the consumer (see [`AdapterHarness::drain_crashing`]).
+#[derive(Clone, Debug, Default)]
+pub struct Crashes(Arc<tokio::sync::Notify>);
+
+impl Crashes {
+    /// A new switch.
+    pub fn new() -> Self {
+        Crashes::default()
+    }
+
+    /// Has the harness kill the consumer running this handler. The handler should then not
+    /// return: it dies with its consumer.
+    pub fn crash(&self) {
+        self.0.notify_one();
+    }
+
+    /// Waits until a handler asks for a crash.
+    pub async fn asked(&self) {
+        self.0.notified().await;
+    }
+}
+
 /// A dead letter read back from the broker: its metadata by name (AMQP headers, RocketMQ
 /// user properties, as text) and its body.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -89,6 +112,22 @@ pub trait AdapterHarness: Send {
     /// The dead letters of the destination so far.
     fn dead_letters(&mut self) -> impl Future<Output = Vec<ReadDeadLetter>> + Send;
 
+    /// Like [`drain`](Self::drain), for a consumer that `crashes` takes down: each time a
+    /// handler calls [`Crashes::crash`], the harness kills the consumer as a process that
+    /// dies would be killed — every connection lost at once, nothing settled — and starts it
+    /// again, with `max_deliveries` as its limit of returns. Returns the report of the run
+    /// that drained. Only called for a broker with [`Features::native_delivery_count`].
+    fn drain_crashing<S>(
+        &mut self,
+        route: Route<S>,
+        crashes: Crashes,
+        max_deliveries: u32,
+    ) -> impl Future<Output = RunReport> + Send
+    where
+        S: tower_service::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Error: Into<BoxError>,
+        S::Future: Send;
+
     /// Checks what this adapter adds to every dead letter beside the shared schema (AMQP:
     /// the original routing key); panics if it is missing. Nothing by default.
     fn check_own_metadata(&self, dead: &ReadDeadLetter) {
@@ -110,7 +149,8 @@ macro_rules! adapter_suite {
                 a_retry_comes_back_with_the_next_attempt,
                 exhausted_attempts_are_dead_lettered,
                 a_permanent_failure_is_dead_lettered_with_its_reason,
-                each_kind_of_poison_is_dead_lettered_with_its_reason
+                each_kind_of_poison_is_dead_lettered_with_its_reason,
+                a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit
             ]
         );
     };
@@ -368,4 +408,47 @@ pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarn
     let expected = ["bad_body", "bad_body", "invalid_key", "invalid_key", "oversize"];
     assert_eq!(reasons, expected, "{report}");
     assert_eq!(report.processed, 1, "{report}");
+}
+
+/// A message that kills its consumer every time → dead-lettered as `delivery_limit` once it
+/// came back the limit's number of times, and the messages caught in its crashes are
+/// processed, none dead-lettered. For brokers that count returns
+/// ([`Features::native_delivery_count`]); others pass without checking.
+pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit<H: AdapterHarness>(
+    mut harness: H,
+) {
+    if !harness.features().native_delivery_count {
+        println!("skipped: the broker does not count deliveries that come back unsettled");
+        return;
+    }
+    harness.publish(Some("poison"), br#"{"amount":1}"#).await;
+    for key in ["ok-1", "ok-2", "ok-3"] {
+        harness.publish(Some(key), br#"{"amount":1}"#).await;
+    }
+    let runs = Runs::default();
+    let crashes = Crashes::new();
+    let (counted, crash) = (runs.clone(), crashes.clone());
+    let handler = handler_fn(move |envelope: Envelope| {
+        counted.record(envelope.key().as_str(), envelope.delivery().attempt());
+        let poison = envelope.key().as_str() == "poison";
+        let crash = crash.clone();
+        async move {
+            if poison {
+                crash.crash();
+                std::future::pending::<()>().await;
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let route = Route::new("crashes", harness.key_extractor(), handler);
+    let report = harness.drain_crashing(route, crashes, 2).await;
+    let dead = harness.dead_letters().await;
+    assert_eq!(dead.len(), 1, "only the poison message: {report}");
+    assert_dead_letter(&harness, &dead[0], "delivery_limit", 1, "crashes");
+    let runs = runs.attempts();
+    let poison_runs = runs.get("poison").map_or(0, Vec::len);
+    assert_eq!(poison_runs, 3, "once among others, then twice alone");
+    for key in ["ok-1", "ok-2", "ok-3"] {
+        assert!(runs.contains_key(key), "{key} was processed");
+    }
 }
