@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lapin::options::BasicGetOptions;
 use lapin::{Channel, Connection, ConnectionProperties};
 use oncely::report::RunReport;
-use oncely::testing::adapter::{AdapterHarness, Crashes, Features, ReadDeadLetter};
+use oncely::testing::adapter::{AdapterHarness, Crashes, DeadLetterCopy, Features};
 use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
 use oncely_amqp::{DEFAULT_KEY_HEADER, ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
@@ -16,7 +17,7 @@ use oncely_rocketmq::{ConcurrentListener, GroupLag};
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{Broker, close_connections_on, drain, header_text, start_runner, topology_with_orders};
+use crate::amqp::{Broker, close_connections_on, header_text, start_runner, topology_with_orders};
 use crate::rocketmq::{ScratchRocketMq, namesrv_addr};
 use crate::unique;
 
@@ -27,7 +28,7 @@ pub struct AmqpHarness {
     channel: Channel,
     producer: Producer,
     /// Dead letters taken from the queue so far (reading takes them).
-    read: Vec<ReadDeadLetter>,
+    read: Vec<DeadLetterCopy>,
 }
 
 impl AmqpHarness {
@@ -46,7 +47,7 @@ impl AmqpHarness {
 
 impl AdapterHarness for AmqpHarness {
     fn features(&self) -> Features {
-        Features::new(true, false, true)
+        Features::none().with_native_delivery_count().with_delayed_retry()
     }
 
     fn key_extractor(&self) -> KeyExtractor {
@@ -78,8 +79,13 @@ impl AdapterHarness for AmqpHarness {
             .expect("the runner ends without an error")
     }
 
-    async fn dead_letters(&mut self) -> Vec<ReadDeadLetter> {
-        for message in drain(&self.channel, self.topology.dead_letter_queue()).await {
+    async fn dead_letters(&mut self) -> Vec<DeadLetterCopy> {
+        let queue = self.topology.dead_letter_queue();
+        let get = || {
+            self.channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        };
+        while let Some(message) = get().await.expect("the dead-letter queue answers") {
             let names: Vec<String> = (message.delivery.properties.headers().as_ref())
                 .map(|headers| headers.inner().keys().map(|name| name.to_string()).collect())
                 .unwrap_or_default();
@@ -87,7 +93,7 @@ impl AdapterHarness for AmqpHarness {
                 .into_iter()
                 .filter_map(|name| Some((name.clone(), header_text(&message, &name)?)))
                 .collect();
-            self.read.push(ReadDeadLetter {
+            self.read.push(DeadLetterCopy {
                 metadata,
                 body: message.delivery.data.clone(),
             });
@@ -131,6 +137,7 @@ impl AdapterHarness for AmqpHarness {
                 if let Ok(report) = runner.run(&channel, &CancellationToken::new()).await
                     && report.drained
                 {
+                    let _ = connection.close(200, "drained".into()).await;
                     return report;
                 }
             }
@@ -140,7 +147,7 @@ impl AdapterHarness for AmqpHarness {
         report.expect("drained within 90 s")
     }
 
-    fn check_own_metadata(&self, dead: &ReadDeadLetter) {
+    fn check_own_metadata(&self, dead: &DeadLetterCopy) {
         let routing_key = dead.metadata.get(ORIGINAL_ROUTING_KEY_HEADER).map(String::as_str);
         assert_eq!(routing_key, Some(self.topology.queue()), "{:?}", dead.metadata);
     }
@@ -151,6 +158,8 @@ impl AdapterHarness for AmqpHarness {
 pub struct RocketMqHarness {
     rocketmq: ScratchRocketMq,
     dead: Arc<Mutex<Vec<MessageExt>>>,
+    /// How far the dead-letter reader is behind the dead-letter topic.
+    reader_lag: GroupLag,
 }
 
 impl RocketMqHarness {
@@ -159,13 +168,25 @@ impl RocketMqHarness {
         let mut rocketmq = ScratchRocketMq::new("contract").await;
         rocketmq.create_topics(4).await;
         let dead = rocketmq.collect_dead_letters().await;
-        RocketMqHarness { rocketmq, dead }
+        let reader_lag = GroupLag::start(
+            rocketmq.runtime(),
+            &namesrv_addr(),
+            &rocketmq.dead_letter_reader_group(),
+            &rocketmq.dead_letter_topic,
+        )
+        .await
+        .expect("the dead-letter reader's lag");
+        RocketMqHarness {
+            rocketmq,
+            dead,
+            reader_lag,
+        }
     }
 }
 
 impl AdapterHarness for RocketMqHarness {
     fn features(&self) -> Features {
-        Features::new(false, true, true)
+        Features::none().with_ordered().with_delayed_retry()
     }
 
     fn key_extractor(&self) -> KeyExtractor {
@@ -213,13 +234,20 @@ impl AdapterHarness for RocketMqHarness {
         unreachable!("RocketMQ has no native delivery count: the suite does not crash its consumer")
     }
 
-    async fn dead_letters(&mut self) -> Vec<ReadDeadLetter> {
-        // Each dead letter was stored before its original was acknowledged; the reader gets
-        // it a moment later.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+    async fn dead_letters(&mut self) -> Vec<DeadLetterCopy> {
+        // Each dead letter was stored before its original was acknowledged; the reader has
+        // them all once its group has no lag (its offsets are committed every few seconds).
+        let caught_up = async {
+            while self.reader_lag.pending().await.ok().flatten() != Some(0) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), caught_up)
+            .await
+            .expect("the dead-letter reader catches up within 30 s");
         let dead = self.dead.lock().expect("not poisoned").clone();
         dead.iter()
-            .map(|message| ReadDeadLetter {
+            .map(|message| DeadLetterCopy {
                 metadata: message
                     .properties()
                     .iter()

@@ -182,12 +182,14 @@ impl ScratchRocketMq {
             sink.extend(messages.iter().map(|message| (*message).clone()));
             Ok(ConsumeConcurrentlyStatus::ConsumeSuccess)
         };
-        let (topic, group) = (
-            self.dead_letter_topic.clone(),
-            format!("{}_dlq_reader", self.group),
-        );
+        let (topic, group) = (self.dead_letter_topic.clone(), self.dead_letter_reader_group());
         self.consume_concurrently(&topic, &group, listener).await;
         collected
+    }
+
+    /// The consumer group of [`collect_dead_letters`](Self::collect_dead_letters)' reader.
+    pub fn dead_letter_reader_group(&self) -> String {
+        format!("{}_dlq_reader", self.group)
     }
 
     async fn consumer(&self, topic: &str, group: &str) -> DefaultMQPushConsumer {

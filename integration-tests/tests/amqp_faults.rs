@@ -414,7 +414,9 @@ async fn queues_declared_before_the_safety_net_get_it_from_the_policy(broker: Br
                 .lines()
                 .any(|line| line.split_whitespace().eq([queue, policy]))
         };
-        let [dead_lettering, keeping] = &policies;
+        let [dead_lettering, keeping] = policies.as_slice() else {
+            panic!("two policies: {policies:?}")
+        };
         applied(topology.queue(), &dead_lettering.name)
             && applied(topology.suspect_queue(), &dead_lettering.name)
             && applied(topology.dead_letter_queue(), &keeping.name)

@@ -87,7 +87,8 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// `x-delivery-count` — the ones that were running and the ones it had only received. Such
 /// a delivery cannot be blamed yet: it is moved to the topology's suspect queue, and from
 /// then on every copy of it (its retries carry [`RETURNS_HEADER`]) runs alone. The runner
-/// takes a suspect (`basic.get`) only once nothing else runs in the runner and holds back
+/// takes a suspect (`basic.get`) only once nothing else runs behind its [`SuspectGate`] (the
+/// runner's own, or one shared with other runners) and holds back
 /// new work while it runs, so a crash while it runs is that message's own: only those
 /// crashes count. A message that came back unsettled [`max_deliveries`](Runner::with_max_deliveries)
 /// times while running alone — crashes, lost channels, or copies the broker kept refusing —

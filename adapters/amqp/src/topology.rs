@@ -39,11 +39,11 @@ use crate::error::Error;
 ///
 /// [`declare`](Topology::declare) is idempotent as long as the queues were declared with the
 /// same arguments; a queue of the same name with other arguments makes the broker refuse
-/// (`PRECONDITION_FAILED`), and RabbitMQ never changes a declared queue's arguments. Work and
-/// suspect queues declared by oncely 0.1 (before the safety net) are such queues: keep them
-/// with [`with_safety_net_by_policy`](Topology::with_safety_net_by_policy) and apply
-/// [`safety_net_policies`](Topology::safety_net_policies) once, or move their messages and
-/// delete them. A classic queue of the same name (declared by hand) must be moved and
+/// (`PRECONDITION_FAILED`), and RabbitMQ never changes a declared queue's arguments. The work,
+/// suspect and dead-letter queues declared by oncely 0.1 (before the safety net) are such
+/// queues: keep them with [`with_safety_net_by_policy`](Topology::with_safety_net_by_policy)
+/// and apply every one of [`safety_net_policies`](Topology::safety_net_policies) once, or
+/// move their messages and delete them. A classic queue of the same name (declared by hand) must be moved and
 /// deleted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -72,7 +72,7 @@ pub const DEAD_LETTER_DELIVERY_LIMIT: i64 = 1_000_000;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SafetyNetPolicy {
     /// The policy's name: `oncely-dead-letter-QUEUE` (work and suspect queues) or
-    /// `oncely-dead-letters-QUEUE` (the dead-letter queue).
+    /// `oncely-dead-letter-queue-QUEUE` (the dead-letter queue).
     pub name: String,
     /// The regular expression of the queue names it applies to.
     pub pattern: String,
@@ -143,7 +143,7 @@ impl Topology {
     /// [`declare`](Topology::declare) gives new ones: the work and suspect queues their
     /// dead-letter target, the dead-letter queue its [`DEAD_LETTER_DELIVERY_LIMIT`]. See
     /// [`SafetyNetPolicy`].
-    pub fn safety_net_policies(&self) -> [SafetyNetPolicy; 2] {
+    pub fn safety_net_policies(&self) -> Vec<SafetyNetPolicy> {
         let escaped: String = self
             .queue
             .chars()
@@ -159,14 +159,14 @@ impl Topology {
             "overflow": "reject-publish",
         });
         let keeping = serde_json::json!({ "delivery-limit": DEAD_LETTER_DELIVERY_LIMIT });
-        [
+        vec![
             SafetyNetPolicy {
                 name: format!("oncely-dead-letter-{}", self.queue),
                 pattern: format!("^{escaped}(\\.suspect)?$"),
                 definition: dead_lettering.to_string(),
             },
             SafetyNetPolicy {
-                name: format!("oncely-dead-letters-{}", self.queue),
+                name: format!("oncely-dead-letter-queue-{}", self.queue),
                 pattern: format!("^{escaped}\\.dlq$"),
                 definition: keeping.to_string(),
             },
@@ -342,7 +342,10 @@ mod tests {
 
     #[test]
     fn the_safety_net_policies_match_exactly_their_queues() {
-        let [dead_lettering, keeping] = Topology::new("shop.orders").safety_net_policies();
+        let policies = Topology::new("shop.orders").safety_net_policies();
+        let [dead_lettering, keeping] = policies.as_slice() else {
+            panic!("two policies: {policies:?}")
+        };
         assert_eq!(dead_lettering.pattern, r"^shop\.orders(\.suspect)?$");
         assert_eq!(dead_lettering.name, "oncely-dead-letter-shop.orders");
         let definition: serde_json::Value = serde_json::from_str(&dead_lettering.definition).unwrap();

@@ -9,9 +9,9 @@
 //! dead letters with their reason and metadata ([`crate::dead_letter`]). Cases that need a
 //! feature a broker lacks ([`Features`]) pass without checking it and print why.
 //!
-//! The cases that kill a consumer (a message that kills its consumer every time, a consumer
-//! killed mid-batch, a shutdown mid-batch) are not in the suite yet: each adapter tests
-//! them by hand.
+//! Of the cases that kill a consumer, the suite has the message that kills its consumer
+//! every time; a consumer killed mid-batch and a shutdown mid-batch are not in it yet: each
+//! adapter tests them by hand.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -26,8 +26,9 @@ use crate::record::{MemoryRecordStore, RecordLayer};
 use crate::report::RunReport;
 use crate::{BoxError, BusinessKey, Delivery, Envelope, KeyExtractor, Outcome, Route, handler, handler_fn};
 
-/// What a broker offers beyond the promises every adapter keeps. The retry case checks
-/// `delayed_retry`; the crash and ordering cases to come will read the other two.
+/// What a broker offers beyond the promises every adapter keeps: the retry case checks the
+/// delay where `delayed_retry`, the crash case runs where `native_delivery_count`, and
+/// `ordered` is for the ordering cases to come. Built from [`Features::none`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Features {
@@ -40,13 +41,27 @@ pub struct Features {
 }
 
 impl Features {
-    /// The features named: `native_delivery_count`, `ordered`, `delayed_retry`.
-    pub fn new(native_delivery_count: bool, ordered: bool, delayed_retry: bool) -> Self {
-        Features {
-            native_delivery_count,
-            ordered,
-            delayed_retry,
-        }
+    /// None of the features.
+    pub fn none() -> Self {
+        Features::default()
+    }
+
+    /// With `native_delivery_count`.
+    pub fn with_native_delivery_count(mut self) -> Self {
+        self.native_delivery_count = true;
+        self
+    }
+
+    /// With `ordered`.
+    pub fn with_ordered(mut self) -> Self {
+        self.ordered = true;
+        self
+    }
+
+    /// With `delayed_retry`.
+    pub fn with_delayed_retry(mut self) -> Self {
+        self.delayed_retry = true;
+        self
     }
 }
 
@@ -73,10 +88,10 @@ impl Crashes {
     }
 }
 
-/// A dead letter read back from the broker: its metadata by name (AMQP headers, RocketMQ
+/// A dead letter as read back from the broker: its metadata by name (AMQP headers, RocketMQ
 /// user properties, as text) and its body.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReadDeadLetter {
+pub struct DeadLetterCopy {
     /// The metadata, by name.
     pub metadata: HashMap<String, String>,
     /// The body.
@@ -110,7 +125,7 @@ pub trait AdapterHarness: Send {
         S::Future: Send;
 
     /// The dead letters of the destination so far.
-    fn dead_letters(&mut self) -> impl Future<Output = Vec<ReadDeadLetter>> + Send;
+    fn dead_letters(&mut self) -> impl Future<Output = Vec<DeadLetterCopy>> + Send;
 
     /// Like [`drain`](Self::drain), for a consumer that `crashes` takes down: each time a
     /// handler calls [`Crashes::crash`], the harness kills the consumer as a process that
@@ -130,7 +145,7 @@ pub trait AdapterHarness: Send {
 
     /// Checks what this adapter adds to every dead letter beside the shared schema (AMQP:
     /// the original routing key); panics if it is missing. Nothing by default.
-    fn check_own_metadata(&self, dead: &ReadDeadLetter) {
+    fn check_own_metadata(&self, dead: &DeadLetterCopy) {
         let _ = dead;
     }
 }
@@ -282,10 +297,10 @@ pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarne
 }
 
 /// The shortest wait a broker with delayed retries may call a delay.
-const SHORTEST_RETRY_DELAY: Duration = Duration::from_millis(50);
+const SHORTEST_RETRY_DELAY: Duration = Duration::from_millis(100);
 
 /// Retry → back with attempt + 1 (after the broker's delay, where it has one
-/// ([`Features::delayed_retry`]): not before 50 ms), then processed.
+/// ([`Features::delayed_retry`]): not before 100 ms), then processed.
 pub async fn a_retry_comes_back_with_the_next_attempt<H: AdapterHarness>(mut harness: H) {
     harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
@@ -328,7 +343,7 @@ pub async fn exhausted_attempts_are_dead_lettered<H: AdapterHarness>(mut harness
 /// the harnesses' producers give every message one), then the adapter's own.
 fn assert_dead_letter<H: AdapterHarness>(
     harness: &H,
-    dead: &ReadDeadLetter,
+    dead: &DeadLetterCopy,
     reason: &str,
     attempts: u32,
     route: &str,
@@ -375,11 +390,21 @@ pub async fn a_permanent_failure_is_dead_lettered_with_its_reason<H: AdapterHarn
 /// business key, a key with control characters, a body over the route's limit, and bodies
 /// that do not deserialise into the handler's type (not JSON, not UTF-8).
 pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarness>(mut harness: H) {
-    harness.publish(None, br#"{"amount":1}"#).await;
-    harness.publish(Some("o-\u{7}1"), br#"{"amount":1}"#).await;
-    harness.publish(Some("o-big"), &[b'7'; 4096]).await;
-    harness.publish(Some("o-bad"), b"not JSON").await;
-    harness.publish(Some("o-bytes"), b"\xff\xfe").await;
+    let oversize = [b'7'; 4096];
+    let poison: [(Option<&str>, &[u8], &str); 5] = [
+        (None, br#"{"case":"no key"}"#, "invalid_key"),
+        (
+            Some("o-\u{7}1"),
+            br#"{"case":"control character"}"#,
+            "invalid_key",
+        ),
+        (Some("o-big"), &oversize, "oversize"),
+        (Some("o-bad"), b"not JSON", "bad_body"),
+        (Some("o-bytes"), b"\xff\xfe", "bad_body"),
+    ];
+    for (key, body, _) in poison {
+        harness.publish(key, body).await;
+    }
     harness.publish(Some("o-ok"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
     let counted = runs.clone();
@@ -396,40 +421,41 @@ pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarn
         keys(&[("o-ok", &[1])]),
         "only the good message ran"
     );
-    let dead = harness.dead_letters().await;
-    for letter in &dead {
-        assert_dead_letter(&harness, letter, &letter.metadata[REASON], 1, "poison");
-    }
-    let mut reasons: Vec<&str> = dead
-        .iter()
-        .map(|letter| letter.metadata[REASON].as_str())
-        .collect();
-    reasons.sort();
-    let expected = ["bad_body", "bad_body", "invalid_key", "invalid_key", "oversize"];
-    assert_eq!(reasons, expected, "{report}");
     assert_eq!(report.processed, 1, "{report}");
+    let dead = harness.dead_letters().await;
+    assert_eq!(dead.len(), poison.len(), "{report}");
+    for (_, body, reason) in poison {
+        let letter = dead.iter().find(|letter| letter.body == body);
+        let letter = letter.unwrap_or_else(|| panic!("no dead letter for the {reason} body"));
+        assert_dead_letter(&harness, letter, reason, 1, "poison");
+    }
 }
 
 /// A message that kills its consumer every time → dead-lettered as `delivery_limit` once it
-/// came back the limit's number of times, and the messages caught in its crashes are
-/// processed, none dead-lettered. For brokers that count returns
-/// ([`Features::native_delivery_count`]); others pass without checking.
+/// came back the limit's number of times (it may run once more among others, where its
+/// crash cannot be told from theirs), and the messages caught in its crashes are processed,
+/// none dead-lettered. For brokers that count returns ([`Features::native_delivery_count`]);
+/// others pass without checking.
 pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit<H: AdapterHarness>(
     mut harness: H,
 ) {
+    const LIMIT: u32 = 2;
     if !harness.features().native_delivery_count {
         println!("skipped: the broker does not count deliveries that come back unsettled");
         return;
     }
     harness.publish(Some("poison"), br#"{"amount":1}"#).await;
-    for key in ["ok-1", "ok-2", "ok-3"] {
+    let oks = ["ok-1", "ok-2", "ok-3"];
+    for key in oks {
         harness.publish(Some(key), br#"{"amount":1}"#).await;
     }
     let runs = Runs::default();
     let crashes = Crashes::new();
     let (counted, crash) = (runs.clone(), crashes.clone());
+    // The others are slow at their first run, so that the first crash catches them running.
     let handler = handler_fn(move |envelope: Envelope| {
         counted.record(envelope.key().as_str(), envelope.delivery().attempt());
+        let first = counted.attempts()[envelope.key().as_str()].len() == 1;
         let poison = envelope.key().as_str() == "poison";
         let crash = crash.clone();
         async move {
@@ -437,18 +463,33 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
                 crash.crash();
                 std::future::pending::<()>().await;
             }
+            if first {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            }
             Ok::<(), HandlerError>(())
         }
     });
     let route = Route::new("crashes", harness.key_extractor(), handler);
-    let report = harness.drain_crashing(route, crashes, 2).await;
+    let report = harness.drain_crashing(route, crashes, LIMIT).await;
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "only the poison message: {report}");
     assert_dead_letter(&harness, &dead[0], "delivery_limit", 1, "crashes");
     let runs = runs.attempts();
-    let poison_runs = runs.get("poison").map_or(0, Vec::len);
-    assert_eq!(poison_runs, 3, "once among others, then twice alone");
-    for key in ["ok-1", "ok-2", "ok-3"] {
-        assert!(runs.contains_key(key), "{key} was processed");
-    }
+    let poison_runs = runs.get("poison").map_or(0, Vec::len) as u32;
+    assert!(
+        (LIMIT..=LIMIT + 1).contains(&poison_runs),
+        "the poison message ran {poison_runs} times"
+    );
+    let caught = oks
+        .iter()
+        .filter(|key| runs.get(**key).is_some_and(|r| r.len() > 1))
+        .count();
+    assert!(
+        oks.iter().all(|key| runs.contains_key(*key)),
+        "every other message was processed"
+    );
+    assert!(
+        caught > 0,
+        "some were caught in a crash (the case under test): {runs:?}"
+    );
 }

@@ -12,13 +12,17 @@ use oncely_amqp::{Producer, Topology};
 async fn main() -> Result<(), oncely_amqp::Error> {
     let connection = amqp().await?;
     let topology = Topology::new(QUEUE);
-    if let Err(error) = topology.declare(&connection.create_channel().await?).await {
-        // Queues an earlier oncely declared with other arguments (RabbitMQ refuses to
-        // change them, and closes the channel): they are this demo's own, so it starts
-        // afresh. Your own queues need their messages moved first (see `Topology`).
-        println!("the demo's queues had other arguments ({error}); declaring them anew");
-        topology.delete(&connection.create_channel().await?).await?;
-        topology.declare(&connection.create_channel().await?).await?;
+    match topology.declare(&connection.create_channel().await?).await {
+        Ok(()) => {}
+        // Queues an earlier oncely declared with other arguments (RabbitMQ refuses to change
+        // them, and closes the channel): they are this demo's own, so it starts afresh. Your
+        // own queues need their messages moved first (see `Topology`).
+        Err(refused) if !refused.is_retryable() => {
+            println!("the demo's queues had other arguments ({refused}); declaring them anew");
+            topology.delete(&connection.create_channel().await?).await?;
+            topology.declare(&connection.create_channel().await?).await?;
+        }
+        Err(error) => return Err(error),
     }
     let channel = connection.create_channel().await?;
     // The demo's dead letters are read from its report; the last run's are of no more use.
