@@ -9,7 +9,7 @@ use std::time::Duration;
 use lapin::options::BasicGetOptions;
 use lapin::{Channel, Connection, ConnectionProperties};
 use oncely::report::RunReport;
-use oncely::testing::adapter::{AdapterHarness, Crashes, DeadLetterCopy, Features};
+use oncely::testing::adapter::{AdapterHarness, DeadLetterCopy, Features, Interruption, Interrupts};
 use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
 use oncely_amqp::{DEFAULT_KEY_HEADER, ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
@@ -101,31 +101,53 @@ impl AdapterHarness for AmqpHarness {
         self.read.clone()
     }
 
-    async fn drain_crashing<S>(&mut self, route: Route<S>, crashes: Crashes, max_deliveries: u32) -> RunReport
+    async fn drain_interrupted<S>(
+        &mut self,
+        route: Route<S>,
+        interrupts: Interrupts,
+        how: Interruption,
+        max_deliveries: u32,
+    ) -> RunReport
     where
         S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send,
     {
+        // Two at a time, with more sent ahead: an interruption finds deliveries of both kinds.
         let runner = Runner::new(route, self.topology.clone())
             .with_drain(Duration::from_millis(500))
             .with_max_deliveries(max_deliveries)
-            .with_shutdown_grace(Duration::from_millis(100));
+            .with_concurrency(2);
+        let runner = match how {
+            // A dead process's handlers stop with it.
+            Interruption::Crash => runner.with_shutdown_grace(Duration::from_millis(100)),
+            _ => runner,
+        };
         // The consumer process: one connection, which a crash closes on the broker's side
-        // (everything unsettled goes back at once), then a new one.
-        let name = unique("oncely-contract-crashing");
-        let killer = {
-            let (broker, name) = (self.broker, name.clone());
+        // (everything unsettled goes back at once) and a shutdown closes once the runner
+        // stopped; then a new process.
+        let name = unique("oncely-contract-interrupted");
+        let shutdown = Arc::new(Mutex::new(CancellationToken::new()));
+        let interrupter = {
+            let (broker, name, shutdown) = (self.broker, name.clone(), shutdown.clone());
             tokio::spawn(async move {
                 loop {
-                    crashes.asked().await;
-                    let name = name.clone();
-                    let _ = tokio::task::spawn_blocking(move || close_connections_on(broker, &name)).await;
+                    interrupts.asked().await;
+                    match how {
+                        Interruption::Shutdown => shutdown.lock().expect("not poisoned").cancel(),
+                        _ => {
+                            let name = name.clone();
+                            let _ = tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
+                                .await;
+                        }
+                    }
                 }
             })
         };
         let process = async {
             loop {
+                let token = CancellationToken::new();
+                *shutdown.lock().expect("not poisoned") = token.clone();
                 let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
                 let Ok(connection) = Connection::connect(&self.broker.address(), properties).await else {
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -134,17 +156,25 @@ impl AdapterHarness for AmqpHarness {
                 let Ok(channel) = connection.create_channel().await else {
                     continue;
                 };
-                if let Ok(report) = runner.run(&channel, &CancellationToken::new()).await
+                let ran = runner.run(&channel, &token).await;
+                let _ = connection.close(200, "consumer process ends".into()).await;
+                if let Ok(report) = ran
                     && report.drained
                 {
-                    let _ = connection.close(200, "drained".into()).await;
                     return report;
                 }
             }
         };
         let report = tokio::time::timeout(Duration::from_secs(90), process).await;
-        killer.abort();
+        interrupter.abort();
         report.expect("drained within 90 s")
+    }
+
+    async fn tear_down(self) {
+        self.topology
+            .delete(&self.channel)
+            .await
+            .expect("delete the topology");
     }
 
     fn check_own_metadata(&self, dead: &DeadLetterCopy) {
@@ -207,31 +237,56 @@ impl AdapterHarness for RocketMqHarness {
         S::Error: Into<BoxError>,
         S::Future: Send,
     {
-        let listener = ConcurrentListener::new(route, Handle::current(), self.rocketmq.dead_letters());
-        let progress = listener.progress();
-        let (topic, group) = (self.rocketmq.topic.clone(), self.rocketmq.group.clone());
-        let lag = GroupLag::start(self.rocketmq.runtime(), &namesrv_addr(), &group, &topic)
-            .await
-            .expect("the group's lag");
-        self.rocketmq.consume_concurrently(&topic, &group, listener).await;
-        // The broker's first retry comes after 10 s.
-        let drained = progress.wait_until_drained(Duration::from_secs(2), &lag);
-        let report = tokio::time::timeout(Duration::from_secs(120), drained)
-            .await
-            .expect("the group drains within two minutes");
-        lag.shutdown().await;
-        // The next drain starts a consumer of the group with its own route.
-        self.rocketmq.stop_latest_consumer().await;
-        report
+        // No handler pulls these: one consumer runs until drained.
+        (self.drain_interrupted(route, Interrupts::new(), Interruption::Shutdown, 0)).await
     }
 
-    async fn drain_crashing<S>(&mut self, _: Route<S>, _: Crashes, _: u32) -> RunReport
+    async fn drain_interrupted<S>(
+        &mut self,
+        route: Route<S>,
+        interrupts: Interrupts,
+        how: Interruption,
+        _: u32,
+    ) -> RunReport
     where
         S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send,
     {
-        unreachable!("RocketMQ has no native delivery count: the suite does not crash its consumer")
+        let rocketmq = &self.rocketmq;
+        let (topic, group) = (&rocketmq.topic, &rocketmq.group);
+        let lag = GroupLag::start(rocketmq.runtime(), &namesrv_addr(), group, topic)
+            .await
+            .expect("the group's lag");
+        let drained = async {
+            loop {
+                let listener =
+                    ConcurrentListener::new(route.clone(), Handle::current(), rocketmq.dead_letters());
+                let progress = listener.progress();
+                let process = rocketmq.consumer_process(topic, group, listener).await;
+                // The broker's first retry comes after 10 s.
+                tokio::select! {
+                    report = progress.wait_until_drained(Duration::from_secs(2), &lag) => {
+                        process.shut_down().await;
+                        return report;
+                    }
+                    () = interrupts.asked() => match how {
+                        Interruption::Shutdown => process.shut_down().await,
+                        _ => process.kill(),
+                    },
+                }
+            }
+        };
+        let report = tokio::time::timeout(Duration::from_secs(120), drained)
+            .await
+            .expect("the group drains within two minutes");
+        lag.shutdown().await;
+        report
+    }
+
+    async fn tear_down(self) {
+        self.reader_lag.shutdown().await;
+        self.rocketmq.shutdown().await;
     }
 
     async fn dead_letters(&mut self) -> Vec<DeadLetterCopy> {

@@ -171,6 +171,22 @@ impl ScratchRocketMq {
         self.start(consumer).await;
     }
 
+    /// Starts a consumer of `topic` in `group` with a concurrent listener, as
+    /// [`consume_concurrently`](Self::consume_concurrently) does, on a client runtime of its
+    /// own: a consumer process, which can be killed.
+    pub async fn consumer_process(
+        &self,
+        topic: &str,
+        group: &str,
+        listener: impl MessageListenerConcurrently + 'static,
+    ) -> ConsumerProcess {
+        let runtime = OwnedClientRuntime::new("oncely-test-process").expect("a client runtime");
+        let mut consumer = self.consumer_on(&runtime, topic, group).await;
+        consumer.register_message_listener_concurrently(listener);
+        consumer.start().await.expect("start a consumer");
+        ConsumerProcess { consumer, runtime }
+    }
+
     /// Collects every message of the dead-letter topic as it arrives.
     pub async fn collect_dead_letters(&mut self) -> Arc<Mutex<Vec<MessageExt>>> {
         let collected = Arc::new(Mutex::new(Vec::new()));
@@ -193,7 +209,16 @@ impl ScratchRocketMq {
     }
 
     async fn consumer(&self, topic: &str, group: &str) -> DefaultMQPushConsumer {
-        let mut consumer = DefaultMQPushConsumer::builder(self.runtime.client_runtime())
+        self.consumer_on(&self.runtime, topic, group).await
+    }
+
+    async fn consumer_on(
+        &self,
+        runtime: &OwnedClientRuntime,
+        topic: &str,
+        group: &str,
+    ) -> DefaultMQPushConsumer {
+        let mut consumer = DefaultMQPushConsumer::builder(runtime.client_runtime())
             .consumer_group(group.to_owned())
             .name_server_addr(namesrv_addr())
             .consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset)
@@ -208,13 +233,6 @@ impl ScratchRocketMq {
     async fn start(&mut self, mut consumer: DefaultMQPushConsumer) {
         consumer.start().await.expect("start a consumer");
         self.consumers.push(consumer);
-    }
-
-    /// Shuts down the consumer started last.
-    pub async fn stop_latest_consumer(&mut self) {
-        if let Some(mut consumer) = self.consumers.pop() {
-            consumer.shutdown().await;
-        }
     }
 
     /// Shuts down the consumers started so far.
@@ -233,6 +251,32 @@ impl ScratchRocketMq {
             producer.shutdown().await;
         }
         self.runtime.shutdown().await;
+    }
+}
+
+/// A consumer on a client runtime of its own ([`ScratchRocketMq::consumer_process`]): shut
+/// down as at a deploy, or killed as a process that dies.
+pub struct ConsumerProcess {
+    consumer: DefaultMQPushConsumer,
+    runtime: OwnedClientRuntime,
+}
+
+impl ConsumerProcess {
+    /// Shuts the consumer down (its offsets committed, its group told), then its runtime.
+    pub async fn shut_down(mut self) {
+        self.consumer.shutdown().await;
+        self.runtime.shutdown().await;
+    }
+
+    /// Kills the consumer as a process that dies: its runtime stops at once — connections
+    /// dropped, nothing committed since the last periodic commit, the group not told — and
+    /// the consumer is never shut down. Listener calls running at that moment run to their
+    /// end on the listener's own runtime, with nobody left to settle their messages.
+    pub fn kill(self) {
+        let ConsumerProcess { consumer, runtime } = self;
+        drop(runtime);
+        // Dropped, not shut down: a process that dies runs no shutdown.
+        drop(consumer);
     }
 }
 

@@ -33,7 +33,6 @@ on_both_brokers!(
     a_late_confirm_is_waited_for_not_answered_with_a_second_copy,
     deliveries_received_but_not_started_at_shutdown_come_back_uncounted,
     counters_a_producer_sets_on_a_first_delivery_change_nothing,
-    messages_caught_in_another_messages_crash_are_never_dead_lettered_for_it,
     runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_crash,
 );
 
@@ -536,64 +535,6 @@ async fn counters_a_producer_sets_on_a_first_delivery_change_nothing(broker: Bro
     );
     assert_eq!(report.processed, 1, "{report}");
     assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
-    topology.delete(&channel).await.unwrap();
-}
-
-async fn messages_caught_in_another_messages_crash_are_never_dead_lettered_for_it(broker: Broker) {
-    let (topology, channel) = poison_among_oks(broker, "caught", 9).await;
-    let runs = Runs::default();
-    let crashed = Arc::new(Notify::new());
-    let (counted, crash) = (runs.clone(), crashed.clone());
-    // The poison message takes its consumer down every time; the others are slow at their
-    // first run, so that the consumer holds them, started or not, at the first crash.
-    let handler = handler_fn(move |envelope: Envelope| {
-        let run = counted.count(&envelope);
-        let crash = crash.clone();
-        async move {
-            if envelope.key().as_str() == "poison" {
-                crash.notify_one();
-                std::future::pending::<()>().await;
-            }
-            if run == 1 {
-                tokio::time::sleep(Duration::from_secs(10)).await;
-            }
-            Ok::<(), HandlerError>(())
-        }
-    });
-    let route = Route::new("caught", KeyExtractor::json_pointer("/orderId"), handler);
-    // The strictest limit: a message that came back once while running alone is dead.
-    let runner = Runner::new(route, topology.clone())
-        .with_max_deliveries(1)
-        .with_concurrency(4)
-        .with_shutdown_grace(Duration::from_millis(100));
-    let name = unique("oncely-test-caught");
-    let (shutdown, running) = start_runner(runner, broker.address(), &name);
-    let killer = crash_on_notify(broker, &name, crashed);
-    let dlq = topology.dead_letter_queue();
-    wait_until(Duration::from_secs(60), || async {
-        ready_messages(&channel, dlq).await >= 1 && runs.keys_starting("ok") == 9
-    })
-    .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop_runner(shutdown, running).await;
-    killer.abort();
-    let dead = drain(&channel, dlq).await;
-    let bodies: Vec<_> = dead
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.delivery.data).into_owned())
-        .collect();
-    assert_eq!(
-        bodies,
-        [r#"{"orderId":"poison"}"#],
-        "only the poison message is dead-lettered"
-    );
-    assert_dead_letter(&dead[0], &topology, "delivery_limit", 1, "caught");
-    assert_eq!(runs.of("poison"), 2, "once among others, once alone");
-    let caught = (0..9).filter(|n| runs.of(&format!("ok-{n}")) > 1).count();
-    assert!(
-        caught > 0,
-        "some ok messages were caught in the crash (the case under test)"
-    );
     topology.delete(&channel).await.unwrap();
 }
 

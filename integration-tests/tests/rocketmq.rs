@@ -1,20 +1,22 @@
 //! The RocketMQ adapter against a real name server and broker (the Rust ones, started by
 //! `services.sh rocketmq`), Redis and PostgreSQL: duplicates by KEYS and by producer
-//! re-send, a broker retry, orderly state events behind the state guard, and poison. Each
-//! test has its own topic, consumer group, dead-letter topic, key prefix and schema.
+//! re-send, orderly state events behind the state guard, dead letters the producer or the
+//! broker refuses, and a batch sharing the record's transaction. Each test has its own
+//! topic, consumer group, dead-letter topic, key prefix and schema. What every adapter
+//! promises (retries, poison, crashes, the drain's report) is in `adapter_contract.rs`.
 
 use std::time::Duration;
 
 use integration_tests::outcomes::OutcomeLog;
 use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
-use integration_tests::rocketmq::{ScratchRocketMq, namesrv_addr, property};
+use integration_tests::rocketmq::{ScratchRocketMq, property};
 use integration_tests::{redis_connection, redis_url, unique, wait_until};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine};
-use oncely::{BusinessKey, Delivery, Envelope, HandlerError, Json, KeyExtractor, Outcome, Route, handler_fn};
+use oncely::{BusinessKey, Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
 use oncely_rocketmq::rocketmq_model::common::message::message_client_id_setter::MessageClientIDSetter;
-use oncely_rocketmq::{ConcurrentListener, GroupLag, OrderlyListener};
+use oncely_rocketmq::{ConcurrentListener, OrderlyListener};
 use tokio::runtime::Handle;
 use tower::ServiceBuilder;
 
@@ -39,12 +41,10 @@ async fn points_schema() -> ScratchSchema {
 
 /// The points route: keyed by the message's KEYS, through the Redis flag and the PostgreSQL
 /// record in transactional mode, logging outcomes, to a handler that credits the points in
-/// the record's transaction — after failing the first `failing_attempts` attempts of every
-/// key with a transient error.
+/// the record's transaction.
 async fn points_route(
     schema: &ScratchSchema,
     log: &OutcomeLog,
-    failing_attempts: u32,
 ) -> Route<
     impl tower::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
     + Clone
@@ -55,9 +55,6 @@ async fn points_route(
     let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"));
     let handler = handler_fn(move |envelope: Envelope| async move {
         let attempt = envelope.delivery().attempt();
-        if attempt <= failing_attempts {
-            return Err(HandlerError::transient("the points service is down"));
-        }
         let tx = envelope
             .extensions()
             .get::<PgTransaction>()
@@ -72,7 +69,7 @@ async fn points_route(
                 ],
             )
             .await?;
-        Ok(())
+        Ok::<(), HandlerError>(())
     });
     let stack = ServiceBuilder::new()
         .layer(log.clone())
@@ -105,7 +102,7 @@ async fn duplicates_by_keys_and_producer_resends_credit_each_order_once() {
             .await;
     }
 
-    let route = points_route(&schema, &log, 0).await;
+    let route = points_route(&schema, &log).await;
     let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
     let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
     rocketmq.consume_concurrently(&topic, &group, listener).await;
@@ -140,129 +137,6 @@ async fn duplicates_by_keys_and_producer_resends_credit_each_order_once() {
             .await,
         ORDERS as i64
     );
-    rocketmq.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reconsume_later_comes_back_with_reconsume_times_plus_one_and_credits_once() {
-    let schema = points_schema().await;
-    let log = OutcomeLog::new();
-    let mut rocketmq = ScratchRocketMq::new("retry").await;
-    rocketmq
-        .send(rocketmq.message(Some("order_1"), &payment_body(1)))
-        .await;
-
-    let route = points_route(&schema, &log, 1).await;
-    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
-    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
-    rocketmq.consume_concurrently(&topic, &group, listener).await;
-
-    // The broker's first retry level is 10 s.
-    wait_until(Duration::from_secs(90), || async {
-        log.count(|outcome| *outcome == Outcome::Processed) == 1
-    })
-    .await;
-    let outcomes: Vec<_> = log.entries().into_iter().map(|(_, outcome)| outcome).collect();
-    assert!(
-        matches!(outcomes[0], Outcome::RetryLater(_)),
-        "the first attempt failed: {outcomes:?}"
-    );
-    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
-    // The handler credits with the attempt it saw: the redelivery's reconsume times + 1.
-    assert_eq!(
-        schema
-            .count("SELECT count(*) FROM points WHERE attempt = 2")
-            .await,
-        1
-    );
-    assert_eq!(schema.count("SELECT count(*) FROM points").await, 1);
-    rocketmq.shutdown().await;
-}
-
-/// A payment as the typed handler takes it.
-#[derive(serde::Deserialize)]
-struct Payment {
-    amount: i64,
-}
-
-/// The points route with a typed handler, the flag with the record behind it and the
-/// record: a body that is not a [`Payment`] is dead-lettered before the handler runs, and
-/// `order_3` fails its first attempts (the broker brings them back after 10 s, which a
-/// drain must wait for).
-async fn typed_points_route(
-    schema: &ScratchSchema,
-) -> Route<impl integration_tests::RouteStack<std::convert::Infallible> + use<>> {
-    let credit = |tx: PgTransaction, key: BusinessKey, delivery: Delivery, Json(payment): Json<Payment>| async move {
-        if key.as_str() == "order_3" && delivery.attempt() == 1 {
-            return Err(HandlerError::transient("the points service is down"));
-        }
-        let attempt = i32::try_from(delivery.attempt())?;
-        tx.execute(
-            "INSERT INTO points (order_id, attempt) VALUES ($1, $2)",
-            &[&format!("{key}:{}", payment.amount), &attempt],
-        )
-        .await?;
-        Ok::<(), HandlerError>(())
-    };
-    let flags = RedisFlagStore::new(redis_connection(&redis_url()).await).with_prefix(unique("oncely-test"));
-    let records = PgTransactionalLayer::new(schema_pool(schema.name(), 4), schema.records());
-    let stack = ServiceBuilder::new()
-        .layer(FlagLayer::new(flags, Duration::from_secs(600)).with_record_behind())
-        .service(records.handler(credit));
-    Route::new("credit_points", KeyExtractor::broker_key(), stack)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drained_listener_ends_after_the_brokers_retry_and_reports_what_it_did() {
-    const ORDERS: usize = 10;
-    let schema = points_schema().await;
-    let mut rocketmq = ScratchRocketMq::new("drain").await;
-    for order in 0..ORDERS {
-        let key = format!("order_{order}");
-        rocketmq
-            .send(rocketmq.message(Some(&key), &payment_body(order)))
-            .await;
-        // A re-sent order: a new message id, the same KEYS.
-        rocketmq
-            .send(rocketmq.message(Some(&key), &payment_body(order)))
-            .await;
-    }
-    rocketmq
-        .send(rocketmq.message(Some("bad-1"), b"not a payment"))
-        .await;
-
-    let route = typed_points_route(&schema).await;
-    let listener = ConcurrentListener::new(route, Handle::current(), rocketmq.dead_letters());
-    let progress = listener.progress();
-    let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
-    let lag = GroupLag::start(rocketmq.runtime(), &namesrv_addr(), &group, &topic)
-        .await
-        .unwrap();
-    rocketmq.consume_concurrently(&topic, &group, listener).await;
-
-    let report = tokio::time::timeout(
-        Duration::from_secs(120),
-        progress.wait_until_drained(Duration::from_secs(2), &lag),
-    )
-    .await
-    .expect("the group drains");
-    println!("{report}");
-    assert!(report.drained);
-    assert_eq!(report.processed, ORDERS as u64);
-    assert_eq!(report.duplicates.values().sum::<u64>(), ORDERS as u64);
-    // Both messages of order_3 (the order and its re-send) fail their first attempt.
-    assert_eq!(report.retries, [("handler_failed".to_owned(), 2)].into());
-    assert_eq!(report.dead_letters, [("bad_body", 1)].into());
-    assert_eq!(progress.awaiting_retry(), 0);
-    assert_eq!(schema.count("SELECT count(*) FROM points").await, ORDERS as i64);
-    assert_eq!(
-        schema
-            .count("SELECT count(*) FROM points WHERE order_id LIKE 'order_3:%' AND attempt = 2")
-            .await,
-        1,
-        "order_3 was credited by the broker's retry, before the drain ended"
-    );
-    lag.shutdown().await;
     rocketmq.shutdown().await;
 }
 

@@ -9,9 +9,12 @@
 //! dead letters with their reason and metadata ([`crate::dead_letter`]). Cases that need a
 //! feature a broker lacks ([`Features`]) pass without checking it and print why.
 //!
-//! Of the cases that kill a consumer, the suite has the message that kills its consumer
-//! every time; a consumer killed mid-batch and a shutdown mid-batch are not in it yet: each
-//! adapter tests them by hand.
+//! Three cases take the consumer down while it runs ([`AdapterHarness::drain_interrupted`]):
+//! a message that kills its consumer every time, a consumer killed mid-batch and a shutdown
+//! mid-batch. The last two check effects through a record tier on a
+//! [`MemoryRecordStore`]: the harness's consumer runs in the test's process, so a killed
+//! consumer's handlers are cut off (or run on) as the harness decides, and the store's lease
+//! plays the part a crashed process's rolled-back transaction plays in PostgreSQL.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -25,10 +28,12 @@ use crate::handler::{HandlerError, Json};
 use crate::record::{MemoryRecordStore, RecordLayer};
 use crate::report::RunReport;
 use crate::{BoxError, BusinessKey, Delivery, Envelope, KeyExtractor, Outcome, Route, handler, handler_fn};
+use tower_layer::Layer;
 
 /// What a broker offers beyond the promises every adapter keeps: the retry case checks the
-/// delay where `delayed_retry`, the crash case runs where `native_delivery_count`, and
-/// `ordered` is for the ordering cases to come. Built from [`Features::none`].
+/// delay where `delayed_retry`, the case of a message that kills its consumer every time
+/// runs where `native_delivery_count`, and `ordered` is for the ordering cases to come.
+/// Built from [`Features::none`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Features {
@@ -65,24 +70,38 @@ impl Features {
     }
 }
 
-/// How a case's handler takes its consumer down: [`crash`](Crashes::crash) tells the
-/// harness, which kills the consumer (see [`AdapterHarness::drain_crashing`]).
-#[derive(Clone, Debug, Default)]
-pub struct Crashes(Arc<tokio::sync::Notify>);
+/// How a harness takes its consumer down when a handler asks
+/// ([`AdapterHarness::drain_interrupted`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Interruption {
+    /// As a process that dies: every connection lost at once, nothing settled, the
+    /// handlers still running cut off (or left to finish with nobody to settle for them).
+    Crash,
+    /// A graceful shutdown, as at a deploy: the consumer stops taking deliveries, lets the
+    /// ones running finish within its grace and hands back the ones it holds.
+    Shutdown,
+}
 
-impl Crashes {
+/// The switch a case's handler pulls to take its consumer down:
+/// [`interrupt`](Interrupts::interrupt) tells the harness, which crashes or shuts down the
+/// consumer (see [`AdapterHarness::drain_interrupted`]) and starts another.
+#[derive(Clone, Debug, Default)]
+pub struct Interrupts(Arc<tokio::sync::Notify>);
+
+impl Interrupts {
     /// A new switch.
     pub fn new() -> Self {
-        Crashes::default()
+        Interrupts::default()
     }
 
-    /// Has the harness kill the consumer running this handler. The handler should then not
-    /// return: it dies with its consumer.
-    pub fn crash(&self) {
+    /// Has the harness take down the consumer running this handler. After a crash the
+    /// handler should not return: it dies with its consumer. After a shutdown it may.
+    pub fn interrupt(&self) {
         self.0.notify_one();
     }
 
-    /// Waits until a handler asks for a crash.
+    /// Waits until a handler asks for an interruption.
     pub async fn asked(&self) {
         self.0.notified().await;
     }
@@ -127,21 +146,31 @@ pub trait AdapterHarness: Send {
     /// The dead letters of the destination so far.
     fn dead_letters(&mut self) -> impl Future<Output = Vec<DeadLetterCopy>> + Send;
 
-    /// Like [`drain`](Self::drain), for a consumer that `crashes` takes down: each time a
-    /// handler calls [`Crashes::crash`], the harness kills the consumer as a process that
-    /// dies would be killed — every connection lost at once, nothing settled — and starts it
-    /// again, with `max_deliveries` as its limit of returns. Returns the report of the run
-    /// that drained. Only called for a broker with [`Features::native_delivery_count`].
-    fn drain_crashing<S>(
+    /// Like [`drain`](Self::drain), for a consumer that `interrupts` takes down: each time a
+    /// handler calls [`Interrupts::interrupt`], the harness takes the consumer down as `how`
+    /// says and starts another, with `max_deliveries` as its limit of returns where the
+    /// broker counts them ([`Features::native_delivery_count`]). Returns the report of the
+    /// consumer that drained.
+    fn drain_interrupted<S>(
         &mut self,
         route: Route<S>,
-        crashes: Crashes,
+        interrupts: Interrupts,
+        how: Interruption,
         max_deliveries: u32,
     ) -> impl Future<Output = RunReport> + Send
     where
         S: tower_service::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
         S::Error: Into<BoxError>,
         S::Future: Send;
+
+    /// Deletes what the harness made on the broker (queues, consumers, clients), at the end
+    /// of a case that passed: a failed case leaves them to look at. Nothing by default.
+    fn tear_down(self) -> impl Future<Output = ()> + Send
+    where
+        Self: Sized,
+    {
+        async {}
+    }
 
     /// Checks what this adapter adds to every dead letter beside the shared schema (AMQP:
     /// the original routing key); panics if it is missing. Nothing by default.
@@ -165,7 +194,10 @@ macro_rules! adapter_suite {
                 exhausted_attempts_are_dead_lettered,
                 a_permanent_failure_is_dead_lettered_with_its_reason,
                 each_kind_of_poison_is_dead_lettered_with_its_reason,
-                a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit
+                a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit,
+                a_consumer_killed_mid_batch_applies_every_key_once,
+                a_shutdown_mid_batch_applies_every_key_once_and_blames_no_message,
+                a_drain_ends_with_a_true_report
             ]
         );
     };
@@ -195,11 +227,12 @@ type Run = (u32, Instant);
 struct Runs(Arc<Mutex<BTreeMap<String, Vec<Run>>>>);
 
 impl Runs {
-    fn record(&self, key: &str, attempt: u32) {
+    /// Records a run of `key`; returns how many it has had, this one included.
+    fn record(&self, key: &str, attempt: u32) -> usize {
         let mut runs = self.0.lock().expect("not poisoned");
-        runs.entry(key.to_owned())
-            .or_default()
-            .push((attempt, Instant::now()));
+        let runs = runs.entry(key.to_owned()).or_default();
+        runs.push((attempt, Instant::now()));
+        runs.len()
     }
 
     fn attempts(&self) -> BTreeMap<String, Vec<u32>> {
@@ -248,6 +281,30 @@ fn keys(runs: &[(&str, &[u32])]) -> BTreeMap<String, Vec<u32>> {
         .collect()
 }
 
+/// How long a record claim of a consumer taken down with it blocks its key: short, so the
+/// cases that kill consumers wait little for it.
+const CLAIM_LEASE: Duration = Duration::from_secs(2);
+
+/// The record tier the cases put in front of their handlers when they check effects: a
+/// duplicate is answered from it, and a claim held by a killed consumer's handler is taken
+/// over once [`CLAIM_LEASE`] has passed.
+fn record_tier() -> RecordLayer<MemoryRecordStore> {
+    RecordLayer::new(MemoryRecordStore::new())
+        .with_lease(CLAIM_LEASE)
+        .with_in_flight_delay(Duration::from_millis(500))
+}
+
+/// Checks that each of `keys` had its effect once, and no other key had one.
+fn assert_each_effect_once(effects: &Runs, keys: &[String]) {
+    let effects = effects.attempts();
+    let counts: BTreeMap<&str, usize> = effects
+        .iter()
+        .map(|(key, runs)| (key.as_str(), runs.len()))
+        .collect();
+    let once: BTreeMap<&str, usize> = keys.iter().map(|key| (key.as_str(), 1)).collect();
+    assert_eq!(counts, once, "each key's effect once");
+}
+
 /// Processed → acknowledged once: each message runs once, nothing comes back, nothing is
 /// dead-lettered.
 pub async fn a_processed_message_is_acknowledged_once<H: AdapterHarness>(mut harness: H) {
@@ -265,6 +322,7 @@ pub async fn a_processed_message_is_acknowledged_once<H: AdapterHarness>(mut har
     assert_eq!(report.processed, 3, "{report}");
     assert!(report.drained, "{report}");
     assert!(harness.dead_letters().await.is_empty());
+    harness.tear_down().await;
 }
 
 /// Duplicate → acknowledged, no second effect: a copy of a processed key is answered by the
@@ -279,8 +337,7 @@ pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarne
         counted.record(envelope.key().as_str(), envelope.delivery().attempt());
         async { Ok::<(), HandlerError>(()) }
     });
-    let stack = tower_layer::Layer::layer(&RecordLayer::new(MemoryRecordStore::new()), handler);
-    let route = Route::new("duplicate", harness.key_extractor(), stack);
+    let route = Route::new("duplicate", harness.key_extractor(), record_tier().layer(handler));
     let report = harness.drain(route.clone()).await;
     assert_eq!(runs.attempts(), keys(&[("o-1", &[1])]), "one effect");
     assert_eq!(report.processed, 1, "{report}");
@@ -294,6 +351,7 @@ pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarne
     assert_eq!(dead.len(), 1, "{report}");
     assert_dead_letter(&harness, &dead[0], "payload_mismatch", 1, "duplicate");
     assert_eq!(dead[0].body, br#"{"amount":2}"#);
+    harness.tear_down().await;
 }
 
 /// The shortest wait a broker with delayed retries may call a delay.
@@ -322,6 +380,7 @@ pub async fn a_retry_comes_back_with_the_next_attempt<H: AdapterHarness>(mut har
         );
     }
     assert!(harness.dead_letters().await.is_empty());
+    harness.tear_down().await;
 }
 
 /// Exhausted attempts → dead letter with the reason `attempts_exhausted` at the route's
@@ -337,6 +396,7 @@ pub async fn exhausted_attempts_are_dead_lettered<H: AdapterHarness>(mut harness
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "{report}");
     assert_dead_letter(&harness, &dead[0], "attempts_exhausted", 3, "exhausted");
+    harness.tear_down().await;
 }
 
 /// Checks one dead letter's reason code and metadata: the shared schema (with a message id:
@@ -384,6 +444,7 @@ pub async fn a_permanent_failure_is_dead_lettered_with_its_reason<H: AdapterHarn
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_dead_letter(&harness, &dead[0], "rejected", 1, "rejects");
     assert_eq!(dead[0].body, br#"{"amount":1}"#);
+    harness.tear_down().await;
 }
 
 /// Each kind of poison → a dead letter with its reason, without running the handler: no
@@ -429,17 +490,19 @@ pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarn
         let letter = letter.unwrap_or_else(|| panic!("no dead letter for the {reason} body"));
         assert_dead_letter(&harness, letter, reason, 1, "poison");
     }
+    harness.tear_down().await;
 }
 
 /// A message that kills its consumer every time → dead-lettered as `delivery_limit` once it
 /// came back the limit's number of times (it may run once more among others, where its
 /// crash cannot be told from theirs), and the messages caught in its crashes are processed,
-/// none dead-lettered. For brokers that count returns ([`Features::native_delivery_count`]);
-/// others pass without checking.
+/// none dead-lettered — with the strictest limit, 1, where one return blamed on the wrong
+/// message dead-letters it. For brokers that count returns
+/// ([`Features::native_delivery_count`]); others pass without checking.
 pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_the_limit<H: AdapterHarness>(
     mut harness: H,
 ) {
-    const LIMIT: u32 = 2;
+    const LIMIT: u32 = 1;
     if !harness.features().native_delivery_count {
         println!("skipped: the broker does not count deliveries that come back unsettled");
         return;
@@ -450,17 +513,16 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
         harness.publish(Some(key), br#"{"amount":1}"#).await;
     }
     let runs = Runs::default();
-    let crashes = Crashes::new();
-    let (counted, crash) = (runs.clone(), crashes.clone());
+    let interrupts = Interrupts::new();
+    let (counted, crash) = (runs.clone(), interrupts.clone());
     // The others are slow at their first run, so that the first crash catches them running.
     let handler = handler_fn(move |envelope: Envelope| {
-        counted.record(envelope.key().as_str(), envelope.delivery().attempt());
-        let first = counted.attempts()[envelope.key().as_str()].len() == 1;
+        let first = counted.record(envelope.key().as_str(), envelope.delivery().attempt()) == 1;
         let poison = envelope.key().as_str() == "poison";
         let crash = crash.clone();
         async move {
             if poison {
-                crash.crash();
+                crash.interrupt();
                 std::future::pending::<()>().await;
             }
             if first {
@@ -470,7 +532,9 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
         }
     });
     let route = Route::new("crashes", harness.key_extractor(), handler);
-    let report = harness.drain_crashing(route, crashes, LIMIT).await;
+    let report = harness
+        .drain_interrupted(route, interrupts, Interruption::Crash, LIMIT)
+        .await;
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "only the poison message: {report}");
     assert_dead_letter(&harness, &dead[0], "delivery_limit", 1, "crashes");
@@ -492,4 +556,166 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
         caught > 0,
         "some were caught in a crash (the case under test): {runs:?}"
     );
+    harness.tear_down().await;
+}
+
+/// Messages of the mid-batch cases: more than a consumer runs at once, so that an
+/// interruption finds some running and some waiting.
+fn batch(size: usize) -> Vec<String> {
+    (0..size).map(|n| format!("k-{n}")).collect()
+}
+
+/// A handler for the mid-batch cases: counts runs in `runs` and, when it returns, the effect
+/// in `effects`; slow at a key's first run, so that an interruption finds it running. The
+/// first run of `interrupter` pulls `interrupts`, then crashes (never returns) or returns.
+fn interrupting(
+    runs: &Runs,
+    effects: &Runs,
+    interrupts: &Interrupts,
+    interrupter: &'static str,
+    how: Interruption,
+) -> impl tower_service::Service<Envelope, Response = Outcome, Error = std::convert::Infallible, Future: Send>
++ Clone
++ Send
++ Sync
++ 'static {
+    let (runs, effects, interrupts) = (runs.clone(), effects.clone(), interrupts.clone());
+    handler_fn(move |envelope: Envelope| {
+        let key = envelope.key().as_str().to_owned();
+        let attempt = envelope.delivery().attempt();
+        let first = runs.record(&key, attempt) == 1;
+        let (effects, interrupts) = (effects.clone(), interrupts.clone());
+        async move {
+            if first && key == interrupter {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                interrupts.interrupt();
+                if how == Interruption::Crash {
+                    std::future::pending::<()>().await;
+                }
+            }
+            if first {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            effects.record(&key, attempt);
+            Ok::<(), HandlerError>(())
+        }
+    })
+}
+
+/// Consumer killed mid-batch → every key's effect once: the messages it held come back,
+/// those it processed are answered as duplicates, those it was running run again once the
+/// dead consumer's claims lapse, and none is dead-lettered.
+pub async fn a_consumer_killed_mid_batch_applies_every_key_once<H: AdapterHarness>(mut harness: H) {
+    let report = interrupted_batch(&mut harness, 20, Interruption::Crash, 5).await;
+    assert!(harness.dead_letters().await.is_empty(), "{report}");
+    let answered = report.processed + report.duplicates.values().sum::<u64>();
+    assert!(
+        answered > 1,
+        "the consumer after the crash got back more than the crashing message (the case under \
+         test): {report}"
+    );
+    assert!(report.drained, "{report}");
+    harness.tear_down().await;
+}
+
+/// Publishes `size` messages and drains them through the record tier and [`interrupting`]'s
+/// handler, whose key `k-3` takes the consumer down as `how` says at its first run, with
+/// `max_deliveries` as the limit of returns; checks that each key had its effect once and
+/// returns the report of the consumer that drained.
+async fn interrupted_batch<H: AdapterHarness>(
+    harness: &mut H,
+    size: usize,
+    how: Interruption,
+    max_deliveries: u32,
+) -> RunReport {
+    let keys = batch(size);
+    for key in &keys {
+        harness.publish(Some(key), br#"{"amount":1}"#).await;
+    }
+    let (runs, effects, interrupts) = (Runs::default(), Runs::default(), Interrupts::new());
+    let handler = interrupting(&runs, &effects, &interrupts, "k-3", how);
+    let route = Route::new(
+        "interrupted",
+        harness.key_extractor(),
+        record_tier().layer(handler),
+    );
+    let report = harness
+        .drain_interrupted(route, interrupts, how, max_deliveries)
+        .await;
+    assert_each_effect_once(&effects, &keys);
+    report
+}
+
+/// Shutdown mid-batch → every key's effect once, and no message blamed: the running ones
+/// finish, the ones received but not started come back to the next consumer as they were —
+/// with the strictest limit of returns, 1, where a return counted as a crash would
+/// dead-letter it.
+pub async fn a_shutdown_mid_batch_applies_every_key_once_and_blames_no_message<H: AdapterHarness>(
+    mut harness: H,
+) {
+    let report = interrupted_batch(&mut harness, 40, Interruption::Shutdown, 1).await;
+    let dead = harness.dead_letters().await;
+    assert!(dead.is_empty(), "{report}\n{dead:?}");
+    assert!(
+        report.settled() > 0,
+        "the shutdown left messages to the next consumer (the case under test): {report}"
+    );
+    assert!(report.drained, "{report}");
+    harness.tear_down().await;
+}
+
+/// A drain ends with a true report: every outcome counted once under its name — processed,
+/// a duplicate, a retry, a permanent failure and a poison message dead-lettered — nothing
+/// unsettled or abandoned, `drained` set; and a second drain of the empty destination runs
+/// nothing and reports nothing.
+pub async fn a_drain_ends_with_a_true_report<H: AdapterHarness>(mut harness: H) {
+    for (key, body) in [
+        (Some("o-1"), &br#"{"amount":1}"#[..]),
+        (Some("o-1"), br#"{"amount":1}"#),
+        (Some("o-2"), br#"{"amount":2}"#),
+        (Some("o-3"), br#"{"amount":3}"#),
+        (None, br#"{"amount":4}"#),
+    ] {
+        harness.publish(key, body).await;
+    }
+    let runs = Runs::default();
+    let counted = runs.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        let attempt = envelope.delivery().attempt();
+        counted.record(envelope.key().as_str(), attempt);
+        let answered = match (envelope.key().as_str(), attempt) {
+            ("o-2", 1) => Err(HandlerError::transient("downstream unavailable")),
+            ("o-3", _) => Err(HandlerError::permanent("unknown account")),
+            _ => Ok(()),
+        };
+        async move { answered }
+    });
+    let route = Route::new("report", harness.key_extractor(), record_tier().layer(handler));
+    let report = harness.drain(route.clone()).await;
+    assert_eq!(
+        runs.attempts(),
+        keys(&[("o-1", &[1]), ("o-2", &[1, 2]), ("o-3", &[1])])
+    );
+    assert_eq!(report.processed, 2, "{report}");
+    assert_eq!(report.duplicates.values().sum::<u64>(), 1, "{report}");
+    assert_eq!(report.retries.get("handler_failed"), Some(&1), "{report}");
+    let dead_letters: Vec<(&str, u64)> = report
+        .dead_letters
+        .iter()
+        .map(|(reason, n)| (*reason, *n))
+        .collect();
+    assert_eq!(dead_letters, [("invalid_key", 1), ("rejected", 1)], "{report}");
+    assert_eq!((report.unsettled, report.abandoned), (0, 0), "{report}");
+    assert!(report.drained, "{report}");
+    assert_eq!(harness.dead_letters().await.len(), 2, "{report}");
+
+    let again = harness.drain(route).await;
+    assert_eq!(
+        runs.attempts().values().map(Vec::len).sum::<usize>(),
+        4,
+        "nothing ran again"
+    );
+    assert_eq!(again.settled(), 0, "{again}");
+    assert!(again.drained, "{again}");
+    harness.tear_down().await;
 }
