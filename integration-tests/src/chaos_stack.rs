@@ -56,7 +56,7 @@ pub const FAULTS_ENV: &str = "ONCELY_CHAOS_FAULTS";
 /// never let a poison message reach the limit.
 pub const DELIVERIES_REDIS_ENV: &str = "ONCELY_DELIVERIES_REDIS_URL";
 
-/// How many times the RocketMQ chaos route lets a key start without the stack answering
+/// How many times the RocketMQ chaos route lets a key crash its consumer while running alone
 /// before it dead-letters it (`delivery_limit`): RocketMQ does not count the redeliveries
 /// of a consumer that died, so the route counts them, in Redis.
 pub const DELIVERY_LIMIT: u32 = 5;

@@ -103,7 +103,7 @@ impl AdapterHarness for AmqpHarness {
 
     async fn drain_interrupted<S>(
         &mut self,
-        route: Route<S>,
+        route: impl Fn() -> Route<S> + Send + Sync,
         interrupts: Interrupts,
         how: Interruption,
         max_deliveries: u32,
@@ -114,14 +114,16 @@ impl AdapterHarness for AmqpHarness {
         S::Future: Send,
     {
         // Two at a time, with more sent ahead: an interruption finds deliveries of both kinds.
-        let runner = Runner::new(route, self.topology.clone())
-            .with_drain(Duration::from_millis(500))
-            .with_max_deliveries(max_deliveries)
-            .with_concurrency(2);
-        let runner = match how {
-            // A dead process's handlers stop with it.
-            Interruption::Crash => runner.with_shutdown_grace(Duration::from_millis(100)),
-            _ => runner,
+        let runner = || {
+            let runner = Runner::new(route(), self.topology.clone())
+                .with_drain(Duration::from_millis(500))
+                .with_max_deliveries(max_deliveries)
+                .with_concurrency(2);
+            match how {
+                // A dead process's handlers stop with it.
+                Interruption::Crash => runner.with_shutdown_grace(Duration::from_millis(100)),
+                _ => runner,
+            }
         };
         // The consumer process: one connection, which a crash closes on the broker's side
         // (everything unsettled goes back at once) and a shutdown closes once the runner
@@ -156,7 +158,7 @@ impl AdapterHarness for AmqpHarness {
                 let Ok(channel) = connection.create_channel().await else {
                     continue;
                 };
-                let ran = runner.run(&channel, &token).await;
+                let ran = runner().run(&channel, &token).await;
                 let _ = connection.close(200, "consumer process ends".into()).await;
                 if let Ok(report) = ran
                     && report.drained
@@ -238,12 +240,13 @@ impl AdapterHarness for RocketMqHarness {
         S::Future: Send,
     {
         // No handler pulls these: one consumer runs until drained.
+        let route = move || route.clone();
         (self.drain_interrupted(route, Interrupts::new(), Interruption::Shutdown, 0)).await
     }
 
     async fn drain_interrupted<S>(
         &mut self,
-        route: Route<S>,
+        route: impl Fn() -> Route<S> + Send + Sync,
         interrupts: Interrupts,
         how: Interruption,
         _: u32,
@@ -260,8 +263,7 @@ impl AdapterHarness for RocketMqHarness {
             .expect("the group's lag");
         let drained = async {
             loop {
-                let listener =
-                    ConcurrentListener::new(route.clone(), Handle::current(), rocketmq.dead_letters());
+                let listener = ConcurrentListener::new(route(), Handle::current(), rocketmq.dead_letters());
                 let progress = listener.progress();
                 let process = rocketmq.consumer_process(topic, group, listener).await;
                 // The broker's first retry comes after 10 s.

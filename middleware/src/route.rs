@@ -89,10 +89,12 @@ where
         }
     }
 
-    /// Counts each key's unsettled deliveries in `counter` and dead-letters a key that
-    /// started `max` times without the stack ever answering — a message that kills its
-    /// consumer process — with [`DeadLetterReason::DeliveryLimit`]; keys that come back
-    /// unsettled run alone in the process ([`crate::deliveries`]). For brokers that do not count
+    /// Counts each key's unsettled deliveries in `counter`; keys that come back unsettled
+    /// run alone in the process, and one that crashed `max` times that way — a message that
+    /// kills its consumer process — is dead-lettered with
+    /// [`DeadLetterReason::DeliveryLimit`] at its next delivery, after `max + 1` starts in
+    /// all (its first, perhaps among others, is not counted against it; see
+    /// [`crate::deliveries`]). Values below 1 are read as 1. For brokers that do not count
     /// redeliveries themselves (RocketMQ); the AMQP runner uses RabbitMQ's own count.
     pub fn with_delivery_limit(mut self, counter: impl DeliveryCounter, max: u32) -> Self {
         self.delivery_limit = Some(DeliveryLimit::new(counter, max));

@@ -124,7 +124,8 @@ async fn a_key_that_never_settles_is_dead_lettered_at_the_delivery_limit_and_ans
     let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), handler)
         .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 3);
 
-    for _ in 0..3 {
+    // A first crash (perhaps among others), then three alone.
+    for _ in 0..4 {
         assert_eq!(
             crash(&route, "poison").await,
             None,
@@ -137,13 +138,44 @@ async fn a_key_that_never_settles_is_dead_lettered_at_the_delivery_limit_and_ans
         Some(DeadLetterReason::DeliveryLimit),
         "{last}"
     );
-    assert_eq!(runs.lock().unwrap()["poison"], 3, "never started a fourth time");
+    assert_eq!(runs.lock().unwrap()["poison"], 4, "never started a fifth time");
 
     // A key caught in one crash runs again (alone, as a suspect) and, once answered, starts
     // from zero.
     assert_eq!(crash(&route, "once").await, None);
     assert_eq!(route.handle(order("once", "A")).await, Outcome::Processed);
     assert_eq!(runs.lock().unwrap()["once"], 2);
+}
+
+/// With the strictest limit, 1, a message caught once in a crash (its first start, perhaps
+/// beside the message that caused it) runs again alone and is processed; one that then
+/// crashes alone too is dead-lettered.
+#[tokio::test]
+async fn with_a_limit_of_one_a_first_crash_is_not_blamed_a_crash_alone_is() {
+    let caught_before = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handler = handler_fn(move |envelope: Envelope| {
+        let first_of_caught = envelope.key().as_str() == "caught"
+            && !caught_before.swap(true, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if envelope.key().as_str() == "poison" || first_of_caught {
+                std::future::pending::<()>().await;
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), handler)
+        .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 1);
+    assert_eq!(crash(&route, "caught").await, None, "caught in a crash");
+    assert_eq!(route.handle(order("caught", "A")).await, Outcome::Processed);
+
+    assert_eq!(crash(&route, "poison").await, None, "among others");
+    assert_eq!(crash(&route, "poison").await, None, "alone");
+    let last = route.handle(order("poison", "A")).await;
+    assert_eq!(
+        last.dead_letter_reason(),
+        Some(DeadLetterReason::DeliveryLimit),
+        "{last}"
+    );
 }
 
 /// A crash leaves the flag's in-flight claim behind until its lease runs out; the waits it
@@ -162,7 +194,7 @@ async fn waits_behind_a_dead_consumers_claim_keep_its_crashes_counted() {
         .service(handler);
     let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), stack)
         .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 3);
-    for _ in 0..2 {
+    for _ in 0..3 {
         assert_eq!(crash(&route, "poison").await, None);
         let wait = route.handle(order("poison", "A")).await;
         assert_eq!(

@@ -18,9 +18,12 @@
 //!   an answered delivery was not a crash — except a wait (another delivery holds the key,
 //!   such as the dead consumer's flag claim or lock, until its lease runs out): a wait ran
 //!   nothing, so it takes back only its own start and leaves the crashes counted;
-//! - a key with `max` unsettled starts is dead-lettered
-//!   ([`DeadLetterReason::DeliveryLimit`]) without
-//!   running again.
+//! - a key is dead-lettered ([`DeadLetterReason::DeliveryLimit`]) without running again
+//!   once it crashed `max` times as a suspect, running alone: `max + 1` unsettled starts.
+//!   Its first start is not counted against it, because it may have run among others —
+//!   with a limit of 1, a message caught in another's crash would otherwise be
+//!   dead-lettered for it. A message that kills its consumer every time therefore runs
+//!   `max + 1` times.
 //!
 //! Counting fails open: when the store cannot answer, the delivery runs uncounted, since the
 //! guard only bounds a rare loop and must not stop every delivery while Redis is down.
@@ -81,10 +84,16 @@ impl DeliveryLimit {
             0 => (Some(self.running.read().await), None),
             _ => (None, Some(self.running.write().await)),
         };
-        if unsettled >= self.max {
+        // The first unsettled start may have been among others: only the crashes after it,
+        // each while running alone, are this key's own.
+        let crashed_alone = unsettled.saturating_sub(1);
+        if crashed_alone >= self.max {
             return Outcome::dead_letter(
                 DeadLetterReason::DeliveryLimit,
-                format!("started {unsettled} times without being settled: its consumer died each time"),
+                format!(
+                    "started {unsettled} times without being settled, {crashed_alone} of them alone: \
+                     its consumer died each time"
+                ),
             );
         }
         if let Err(error) = self.counter.start(key, COUNT_TTL).await {

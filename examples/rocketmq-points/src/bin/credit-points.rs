@@ -114,7 +114,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // KEYS carry the order id; the namespace keeps this operation's keys apart from other
     // consumers of the same payments (`order_1:credit_points`).
     // RocketMQ does not count a delivery whose consumer died: the route does, so a message
-    // that crashes this process every time is dead-lettered after five tries.
+    // that crashes this process every time is dead-lettered after five crashes alone (six
+    // runs: its first, perhaps beside others, is not counted against it).
     let route = Route::new(
         "credit_points",
         KeyExtractor::broker_key().with_namespace("credit_points"),
