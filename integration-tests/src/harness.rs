@@ -12,6 +12,7 @@ use oncely::report::RunReport;
 use oncely::testing::adapter::{AdapterHarness, DeadLetterCopy, Features, Interruption, Interrupts};
 use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
 use oncely_amqp::{DEFAULT_KEY_HEADER, ORIGINAL_ROUTING_KEY_HEADER, Producer, Runner, Topology};
+use oncely_rocketmq::rocketmq_model::common::message::MessageConst;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::{ConcurrentListener, GroupLag};
 use tokio::runtime::Handle;
@@ -58,11 +59,11 @@ impl AdapterHarness for AmqpHarness {
         self.topology.queue().to_owned()
     }
 
-    async fn publish(&mut self, key: Option<&str>, body: &[u8]) {
+    async fn publish(&mut self, key: Option<&str>, body: &[u8]) -> String {
         self.producer
             .publish("", self.topology.queue(), body, key)
             .await
-            .expect("publish");
+            .expect("publish")
     }
 
     async fn drain<S>(&mut self, route: Route<S>) -> RunReport
@@ -138,9 +139,17 @@ impl AdapterHarness for AmqpHarness {
                     match how {
                         Interruption::Shutdown => shutdown.lock().expect("not poisoned").cancel(),
                         _ => {
-                            let name = name.clone();
-                            let _ = tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
-                                .await;
+                            // rabbitmqctl lists the connection once the broker has it: retry
+                            // until one is closed, so that a crash asked for always happens.
+                            for _ in 0..50 {
+                                let name = name.clone();
+                                let closed =
+                                    tokio::task::spawn_blocking(move || close_connections_on(broker, &name));
+                                if closed.await.unwrap_or(0) > 0 {
+                                    break;
+                                }
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            }
                         }
                     }
                 }
@@ -179,9 +188,20 @@ impl AdapterHarness for AmqpHarness {
             .expect("delete the topology");
     }
 
-    fn check_own_metadata(&self, dead: &DeadLetterCopy) {
-        let routing_key = dead.metadata.get(ORIGINAL_ROUTING_KEY_HEADER).map(String::as_str);
-        assert_eq!(routing_key, Some(self.topology.queue()), "{:?}", dead.metadata);
+    fn check_own_metadata(&self, dead: &DeadLetterCopy, key: Option<&str>) {
+        let field = |name: &str| dead.metadata.get(name).map(String::as_str);
+        assert_eq!(
+            field(ORIGINAL_ROUTING_KEY_HEADER),
+            Some(self.topology.queue()),
+            "{:?}",
+            dead.metadata
+        );
+        assert_eq!(
+            field(DEFAULT_KEY_HEADER),
+            key,
+            "the key header kept: {:?}",
+            dead.metadata
+        );
     }
 }
 
@@ -229,8 +249,8 @@ impl AdapterHarness for RocketMqHarness {
         self.rocketmq.topic.clone()
     }
 
-    async fn publish(&mut self, key: Option<&str>, body: &[u8]) {
-        self.rocketmq.send(self.rocketmq.message(key, body)).await;
+    async fn publish(&mut self, key: Option<&str>, body: &[u8]) -> String {
+        self.rocketmq.send(self.rocketmq.message(key, body)).await
     }
 
     async fn drain<S>(&mut self, route: Route<S>) -> RunReport
@@ -289,6 +309,11 @@ impl AdapterHarness for RocketMqHarness {
     async fn tear_down(self) {
         self.reader_lag.shutdown().await;
         self.rocketmq.shutdown().await;
+    }
+
+    fn check_own_metadata(&self, dead: &DeadLetterCopy, key: Option<&str>) {
+        let keys = dead.metadata.get(MessageConst::PROPERTY_KEYS).map(String::as_str);
+        assert_eq!(keys, key, "KEYS kept: {:?}", dead.metadata);
     }
 
     async fn dead_letters(&mut self) -> Vec<DeadLetterCopy> {

@@ -125,10 +125,12 @@ impl ScratchRocketMq {
         message(&self.topic, keys, body)
     }
 
-    /// Sends `message` and waits for the broker to store it.
-    pub async fn send(&self, message: Message) {
+    /// Sends `message`, waits for the broker to store it, and returns its message id (the
+    /// producer's `UNIQ_KEY`, which the adapter reads as the message id).
+    pub async fn send(&self, message: Message) -> String {
         let result = self.producer.send(message).await.expect("send");
-        assert!(result.is_some(), "a send result");
+        let result = result.expect("a send result");
+        result.msg_id.expect("a message id").to_string()
     }
 
     /// Sends `message` to the queue `queue % queues` of its topic, so that messages of one
@@ -173,7 +175,8 @@ impl ScratchRocketMq {
 
     /// Starts a consumer of `topic` in `group` with a concurrent listener, as
     /// [`consume_concurrently`](Self::consume_concurrently) does, on a client runtime of its
-    /// own: a consumer process, which can be killed.
+    /// own: a consumer process, which can be killed, or shut down letting the listener calls
+    /// running finish (up to [`PROCESS_SHUTDOWN_GRACE_MS`]).
     pub async fn consumer_process(
         &self,
         topic: &str,
@@ -181,7 +184,7 @@ impl ScratchRocketMq {
         listener: impl MessageListenerConcurrently + 'static,
     ) -> ConsumerProcess {
         let runtime = OwnedClientRuntime::new("oncely-test-process").expect("a client runtime");
-        let mut consumer = self.consumer_on(&runtime, topic, group).await;
+        let mut consumer = (self.consumer_on(&runtime, topic, group, PROCESS_SHUTDOWN_GRACE_MS)).await;
         consumer.register_message_listener_concurrently(listener);
         consumer.start().await.expect("start a consumer");
         ConsumerProcess { consumer, runtime }
@@ -209,14 +212,16 @@ impl ScratchRocketMq {
     }
 
     async fn consumer(&self, topic: &str, group: &str) -> DefaultMQPushConsumer {
-        self.consumer_on(&self.runtime, topic, group).await
+        self.consumer_on(&self.runtime, topic, group, 0).await
     }
 
+    /// A consumer whose shutdown waits up to `shutdown_grace_ms` for its listener calls.
     async fn consumer_on(
         &self,
         runtime: &OwnedClientRuntime,
         topic: &str,
         group: &str,
+        shutdown_grace_ms: u64,
     ) -> DefaultMQPushConsumer {
         let mut consumer = DefaultMQPushConsumer::builder(runtime.client_runtime())
             .consumer_group(group.to_owned())
@@ -225,6 +230,7 @@ impl ScratchRocketMq {
             // 1 unless a test asks for batches: the listener settles a batch as one, so a
             // retry of one message brings back every other message of its batch.
             .consume_message_batch_max_size(self.batch_size)
+            .await_termination_millis_when_shutdown(shutdown_grace_ms)
             .build();
         consumer.subscribe(topic, "*").await.expect("subscribe");
         consumer
@@ -254,6 +260,9 @@ impl ScratchRocketMq {
     }
 }
 
+/// How long [`ConsumerProcess::shut_down`] lets the listener calls running finish.
+pub const PROCESS_SHUTDOWN_GRACE_MS: u64 = 30_000;
+
 /// A consumer on a client runtime of its own ([`ScratchRocketMq::consumer_process`]): shut
 /// down as at a deploy, or killed as a process that dies.
 pub struct ConsumerProcess {
@@ -262,7 +271,9 @@ pub struct ConsumerProcess {
 }
 
 impl ConsumerProcess {
-    /// Shuts the consumer down (its offsets committed, its group told), then its runtime.
+    /// Shuts the consumer down — the listener calls running finish, up to
+    /// [`PROCESS_SHUTDOWN_GRACE_MS`], its offsets are committed and its group told — then
+    /// its runtime.
     pub async fn shut_down(mut self) {
         self.consumer.shutdown().await;
         self.runtime.shutdown().await;

@@ -2,12 +2,15 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{Effects, delivery, order};
+use oncely::deliveries::DeliveryCounter;
 use oncely::record::{MemoryRecordStore, RecordLayer};
 use oncely::{
-    DeadLetterReason, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, handler_fn,
+    BoxFuture, BusinessKey, DeadLetterReason, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason,
+    Route, StoreError, handler_fn,
 };
 use tower::ServiceBuilder;
 
@@ -147,25 +150,76 @@ async fn a_key_that_never_settles_is_dead_lettered_at_the_delivery_limit_and_ans
     assert_eq!(runs.lock().unwrap()["once"], 2);
 }
 
+/// A memory counter whose first `together` reads of a count wait for each other, so that
+/// as many copies of a key find it unmarked, as copies that arrive at once can.
+struct ReadTogether {
+    counter: oncely::deliveries::MemoryDeliveryCounter,
+    reads: std::sync::Arc<tokio::sync::Barrier>,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl ReadTogether {
+    fn new(together: usize) -> Self {
+        ReadTogether {
+            counter: oncely::deliveries::MemoryDeliveryCounter::new(),
+            reads: std::sync::Arc::new(tokio::sync::Barrier::new(together)),
+            waiting: std::sync::atomic::AtomicUsize::new(together),
+        }
+    }
+}
+
+impl DeliveryCounter for ReadTogether {
+    fn unsettled(&self, key: &BusinessKey) -> BoxFuture<Result<u32, StoreError>> {
+        let (reads, read) = (self.reads.clone(), self.counter.unsettled(key));
+        let wait = self
+            .waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+            .is_ok();
+        Box::pin(async move {
+            if wait {
+                reads.wait().await;
+            }
+            read.await
+        })
+    }
+
+    fn mark(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>> {
+        self.counter.mark(key, ttl)
+    }
+
+    fn start(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>> {
+        self.counter.start(key, ttl)
+    }
+
+    fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
+        self.counter.release(key)
+    }
+
+    fn settle(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
+        self.counter.settle(key)
+    }
+}
+
 /// With the strictest limit, 1, a message caught once in a crash (its first start, perhaps
-/// beside the message that caused it) runs again alone and is processed; one that then
-/// crashes alone too is dead-lettered.
+/// beside the message that caused it) runs again alone and is processed — also when two
+/// copies of it were caught at once; one that then crashes alone too is dead-lettered.
 #[tokio::test]
 async fn with_a_limit_of_one_a_first_crash_is_not_blamed_a_crash_alone_is() {
-    let caught_before = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let caught_runs = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let handler = handler_fn(move |envelope: Envelope| {
-        let first_of_caught = envelope.key().as_str() == "caught"
-            && !caught_before.swap(true, std::sync::atomic::Ordering::SeqCst);
+        let caught_in_crash = envelope.key().as_str() == "caught"
+            && caught_runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2;
         async move {
-            if envelope.key().as_str() == "poison" || first_of_caught {
+            if envelope.key().as_str() == "poison" || caught_in_crash {
                 std::future::pending::<()>().await;
             }
             Ok::<(), HandlerError>(())
         }
     });
     let route = Route::new("orders", KeyExtractor::json_pointer("/orderId"), handler)
-        .with_delivery_limit(oncely::deliveries::MemoryDeliveryCounter::new(), 1);
-    assert_eq!(crash(&route, "caught").await, None, "caught in a crash");
+        .with_delivery_limit(ReadTogether::new(2), 1);
+    let twins = tokio::join!(crash(&route, "caught"), crash(&route, "caught"));
+    assert_eq!(twins, (None, None), "two copies caught in one crash");
     assert_eq!(route.handle(order("caught", "A")).await, Outcome::Processed);
 
     assert_eq!(crash(&route, "poison").await, None, "among others");

@@ -37,6 +37,15 @@ impl DeliveryCounter for MemoryDeliveryCounter {
         Box::pin(async { Ok(()) })
     }
 
+    fn mark(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>> {
+        let now = Instant::now();
+        let mut counts = self.counts.lock();
+        if counts.get(key, now).is_none() {
+            counts.insert(key.clone(), 1, now + ttl);
+        }
+        Box::pin(async { Ok(()) })
+    }
+
     fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
         let now = Instant::now();
         let mut counts = self.counts.lock();

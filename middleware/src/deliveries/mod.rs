@@ -14,16 +14,24 @@
 //!   and holds back new ones, so a crash while it runs is counted against it and not
 //!   against every delivery that happened to run beside it (one that is merely caught in
 //!   another's crash is counted once, then runs alone and settles);
-//! - the start is counted, the stack runs, and whatever it answers, the count is cleared —
-//!   an answered delivery was not a crash — except a wait (another delivery holds the key,
-//!   such as the dead consumer's flag claim or lock, until its lease runs out): a wait ran
-//!   nothing, so it takes back only its own start and leaves the crashes counted;
+//! - a delivery running among others only *marks* its key (a count of 1 if it has none:
+//!   copies of one key that run at once leave one mark); a suspect's start is counted; the
+//!   stack runs, and whatever it answers, the count is cleared — an answered delivery was
+//!   not a crash — except a wait (another delivery holds the key, such as the dead
+//!   consumer's flag claim or lock, until its lease runs out): a wait ran nothing, so a
+//!   suspect takes back only its own start and leaves the crashes counted, and a mark stays
+//!   for whoever holds the key to clear;
 //! - a key is dead-lettered ([`DeadLetterReason::DeliveryLimit`]) without running again
-//!   once it crashed `max` times as a suspect, running alone: `max + 1` unsettled starts.
-//!   Its first start is not counted against it, because it may have run among others —
-//!   with a limit of 1, a message caught in another's crash would otherwise be
-//!   dead-lettered for it. A message that kills its consumer every time therefore runs
-//!   `max + 1` times.
+//!   once it crashed `max` times as a suspect, running alone: its mark and `max` counted
+//!   starts. Its runs among others are not counted against it, since their crashes may be
+//!   another message's — with a limit of 1, a message caught in another's crash would
+//!   otherwise be dead-lettered for it. A message that kills its consumer every time
+//!   therefore runs `max + 1` times (more only if copies of it run at once).
+//!
+//! "Alone" is per route: a suspect holds back the deliveries of its own route, not other
+//! routes in the same process, so a crash a route beside it causes is counted against it.
+//! Give a process that consumes with a delivery limit one route per process, or the same
+//! limit to every route.
 //!
 //! Counting fails open: when the store cannot answer, the delivery runs uncounted, since the
 //! guard only bounds a rare loop and must not stop every delivery while Redis is down.
@@ -79,31 +87,38 @@ impl DeliveryLimit {
                 return handle().await;
             }
         };
+        // A marked key (it started and never settled) is a suspect: it runs alone.
+        let alone = unsettled > 0;
         // Held until the stack has answered.
-        let (_shared, _alone) = match unsettled {
-            0 => (Some(self.running.read().await), None),
-            _ => (None, Some(self.running.write().await)),
+        let (_shared, _alone) = match alone {
+            false => (Some(self.running.read().await), None),
+            true => (None, Some(self.running.write().await)),
         };
-        // The first unsettled start may have been among others: only the crashes after it,
-        // each while running alone, are this key's own.
+        // The count is the mark its runs among others left, plus its crashes alone: only
+        // those are this key's own.
         let crashed_alone = unsettled.saturating_sub(1);
         if crashed_alone >= self.max {
             return Outcome::dead_letter(
                 DeadLetterReason::DeliveryLimit,
                 format!(
-                    "started {unsettled} times without being settled, {crashed_alone} of them alone: \
-                     its consumer died each time"
+                    "crashed its consumer {crashed_alone} times running alone, after a crash among others"
                 ),
             );
         }
-        if let Err(error) = self.counter.start(key, COUNT_TTL).await {
+        let counted = match alone {
+            true => self.counter.start(key, COUNT_TTL).await,
+            false => self.counter.mark(key, COUNT_TTL).await,
+        };
+        if let Err(error) = counted {
             tracing::warn!(%key, %error, "delivery counter failed; running uncounted");
         }
         let outcome = handle().await;
-        // A wait (another delivery holds the key, e.g. the dead one's lease) ran nothing: it
-        // takes back only its own start and leaves the crashes counted.
+        // A wait (another delivery holds the key, e.g. the dead one's lease) ran nothing: a
+        // suspect takes back only its own start and leaves the crashes counted; a mark stays
+        // for the holder to clear (or, if the holder died, to make the next copy a suspect).
         let cleared = match outcome.retry_reason() {
-            Some(reason) if reason.is_wait() => self.counter.release(key).await,
+            Some(reason) if reason.is_wait() && alone => self.counter.release(key).await,
+            Some(reason) if reason.is_wait() => Ok(()),
             _ => self.counter.settle(key).await,
         };
         if let Err(error) = cleared {

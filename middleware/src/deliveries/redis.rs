@@ -80,6 +80,21 @@ impl<C: RedisConnection> DeliveryCounter for RedisDeliveryCounter<C> {
         })
     }
 
+    fn mark(&self, key: &BusinessKey, ttl: Duration) -> BoxFuture<Result<(), StoreError>> {
+        let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
+        Box::pin(async move {
+            redis::cmd("SET")
+                .arg(key)
+                .arg(1)
+                .arg("NX")
+                .arg("PX")
+                .arg(millis(ttl))
+                .query_async::<()>(&mut connection)
+                .await
+                .map_err(StoreError::from)
+        })
+    }
+
     fn release(&self, key: &BusinessKey) -> BoxFuture<Result<(), StoreError>> {
         let (mut connection, key) = (self.connection.clone(), self.redis_key(key));
         Box::pin(async move {

@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -89,7 +90,10 @@ pub enum Interruption {
 /// [`interrupt`](Interrupts::interrupt) tells the harness, which crashes or shuts down the
 /// consumer (see [`AdapterHarness::drain_interrupted`]) and starts another.
 #[derive(Clone, Debug, Default)]
-pub struct Interrupts(Arc<tokio::sync::Notify>);
+pub struct Interrupts {
+    asked: Arc<tokio::sync::Notify>,
+    count: Arc<AtomicU64>,
+}
 
 impl Interrupts {
     /// A new switch.
@@ -100,12 +104,30 @@ impl Interrupts {
     /// Has the harness take down the consumer running this handler. After a crash the
     /// handler should not return: it dies with its consumer. After a shutdown it may.
     pub fn interrupt(&self) {
-        self.0.notify_one();
+        self.count.fetch_add(1, Ordering::SeqCst);
+        self.asked.notify_one();
+    }
+
+    /// How many interruptions handlers asked for so far: a handler notes it when it starts,
+    /// for [`died_since`](Self::died_since).
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// For a handler that started when [`count`](Self::count) was `started`, at the point
+    /// where its effect would be applied: if a crash came since, never returns — the
+    /// handler died with its consumer, even where the harness cannot stop it (a listener
+    /// whose calls run on another runtime than the killed consumer's) — else returns at
+    /// once. Only for cases whose interruptions are crashes.
+    pub async fn died_since(&self, started: u64) {
+        if self.count() != started {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// Waits until a handler asks for an interruption.
     pub async fn asked(&self) {
-        self.0.notified().await;
+        self.asked.notified().await;
     }
 }
 
@@ -133,8 +155,9 @@ pub trait AdapterHarness: Send {
     fn source(&self) -> String;
 
     /// Publishes `body` to the destination with the business key `key` (none: the message
-    /// has no key), and waits until the broker stored it.
-    fn publish(&mut self, key: Option<&str>, body: &[u8]) -> impl Future<Output = ()> + Send;
+    /// has no key), waits until the broker stored it, and returns the message id the
+    /// adapter reads from it — the one its dead letter carries as [`MESSAGE_ID`].
+    fn publish(&mut self, key: Option<&str>, body: &[u8]) -> impl Future<Output = String> + Send;
 
     /// Runs the adapter's consumer of the destination with `route` until the run is
     /// drained — nothing in flight, nothing waiting, retries included — and returns its
@@ -176,10 +199,11 @@ pub trait AdapterHarness: Send {
         async {}
     }
 
-    /// Checks what this adapter adds to every dead letter beside the shared schema (AMQP:
-    /// the original routing key); panics if it is missing. Nothing by default.
-    fn check_own_metadata(&self, dead: &DeadLetterCopy) {
-        let _ = dead;
+    /// Checks what this adapter adds to or keeps on every dead letter beside the shared
+    /// schema — such as the business `key` the message was published with (none: it had
+    /// none), or AMQP's original routing key; panics if it is missing. Nothing by default.
+    fn check_own_metadata(&self, dead: &DeadLetterCopy, key: Option<&str>) {
+        let _ = (dead, key);
     }
 }
 
@@ -348,12 +372,19 @@ pub async fn a_duplicate_is_acknowledged_without_a_second_effect<H: AdapterHarne
     assert_eq!(report.duplicates.values().sum::<u64>(), 1, "{report}");
     assert!(harness.dead_letters().await.is_empty());
 
-    harness.publish(Some("o-1"), br#"{"amount":2}"#).await;
+    let reused = harness.publish(Some("o-1"), br#"{"amount":2}"#).await;
     let report = harness.drain(route).await;
     assert_eq!(runs.attempts(), keys(&[("o-1", &[1])]), "still one effect");
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "{report}");
-    assert_dead_letter(&harness, &dead[0], "payload_mismatch", 1, "duplicate");
+    assert_dead_letter(
+        &harness,
+        &dead[0],
+        "payload_mismatch",
+        1,
+        "duplicate",
+        (Some("o-1"), &reused),
+    );
     assert_eq!(dead[0].body, br#"{"amount":2}"#);
     harness.tear_down().await;
 }
@@ -390,7 +421,7 @@ pub async fn a_retry_comes_back_with_the_next_attempt<H: AdapterHarness>(mut har
 /// Exhausted attempts → dead letter with the reason `attempts_exhausted` at the route's
 /// last attempt, after a retry for each attempt before it.
 pub async fn exhausted_attempts_are_dead_lettered<H: AdapterHarness>(mut harness: H) {
-    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    let id = harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
     let always_fails = |_| Err(HandlerError::transient("downstream unavailable"));
     let route = counting(&harness, "exhausted", &runs, always_fails).with_max_attempts(3);
@@ -399,18 +430,26 @@ pub async fn exhausted_attempts_are_dead_lettered<H: AdapterHarness>(mut harness
     assert_eq!(report.retries.get("handler_failed"), Some(&2), "{report}");
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "{report}");
-    assert_dead_letter(&harness, &dead[0], "attempts_exhausted", 3, "exhausted");
+    assert_dead_letter(
+        &harness,
+        &dead[0],
+        "attempts_exhausted",
+        3,
+        "exhausted",
+        (Some("o-1"), &id),
+    );
     harness.tear_down().await;
 }
 
-/// Checks one dead letter's reason code and metadata: the shared schema (with a message id:
-/// the harnesses' producers give every message one), then the adapter's own.
+/// Checks one dead letter's reason code and metadata: the shared schema, with the id of
+/// the message it copies, then the adapter's own, given the message's business key.
 fn assert_dead_letter<H: AdapterHarness>(
     harness: &H,
     dead: &DeadLetterCopy,
     reason: &str,
     attempts: u32,
     route: &str,
+    (key, message_id): (Option<&str>, &str),
 ) {
     let field = |name: &str| dead.metadata.get(name).map(String::as_str);
     assert_eq!(field(REASON), Some(reason), "{:?}", dead.metadata);
@@ -427,18 +466,14 @@ fn assert_dead_letter<H: AdapterHarness>(
         "{:?}",
         dead.metadata
     );
-    assert!(
-        field(MESSAGE_ID).is_some_and(|id| !id.is_empty()),
-        "{:?}",
-        dead.metadata
-    );
-    harness.check_own_metadata(dead);
+    assert_eq!(field(MESSAGE_ID), Some(message_id), "{:?}", dead.metadata);
+    harness.check_own_metadata(dead, key);
 }
 
 /// Permanent failure → dead letter with the reason `rejected`, the original body and the
 /// metadata, at once (no retry).
 pub async fn a_permanent_failure_is_dead_lettered_with_its_reason<H: AdapterHarness>(mut harness: H) {
-    harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
+    let id = harness.publish(Some("o-1"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
     let rejects = |_| Err(HandlerError::permanent("unknown account"));
     let report = harness.drain(counting(&harness, "rejects", &runs, rejects)).await;
@@ -446,7 +481,7 @@ pub async fn a_permanent_failure_is_dead_lettered_with_its_reason<H: AdapterHarn
     assert_eq!(report.dead_letters.get("rejected"), Some(&1), "{report}");
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_dead_letter(&harness, &dead[0], "rejected", 1, "rejects");
+    assert_dead_letter(&harness, &dead[0], "rejected", 1, "rejects", (Some("o-1"), &id));
     assert_eq!(dead[0].body, br#"{"amount":1}"#);
     harness.tear_down().await;
 }
@@ -467,8 +502,9 @@ pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarn
         (Some("o-bad"), b"not JSON", "bad_body"),
         (Some("o-bytes"), b"\xff\xfe", "bad_body"),
     ];
+    let mut ids = Vec::new();
     for (key, body, _) in poison {
-        harness.publish(key, body).await;
+        ids.push(harness.publish(key, body).await);
     }
     harness.publish(Some("o-ok"), br#"{"amount":1}"#).await;
     let runs = Runs::default();
@@ -489,19 +525,19 @@ pub async fn each_kind_of_poison_is_dead_lettered_with_its_reason<H: AdapterHarn
     assert_eq!(report.processed, 1, "{report}");
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), poison.len(), "{report}");
-    for (_, body, reason) in poison {
+    for ((key, body, reason), id) in poison.into_iter().zip(&ids) {
         let letter = dead.iter().find(|letter| letter.body == body);
         let letter = letter.unwrap_or_else(|| panic!("no dead letter for the {reason} body"));
-        assert_dead_letter(&harness, letter, reason, 1, "poison");
+        assert_dead_letter(&harness, letter, reason, 1, "poison", (key, id));
     }
     harness.tear_down().await;
 }
 
 /// A message that kills its consumer every time → dead-lettered as `delivery_limit` once it
-/// came back the limit's number of times (it may run once more among others, where its
-/// crash cannot be told from theirs), and the messages caught in its crashes are processed,
-/// none dead-lettered — with the strictest limit, 1, where one return blamed on the wrong
-/// message dead-letters it. Counted by the broker where it counts returns
+/// crashed the limit's number of times running alone (after a first run among others,
+/// where its crash cannot be told from theirs: the limit + 1 runs in all), and the messages
+/// caught in its crashes are processed, none dead-lettered — with the strictest limit, 1,
+/// where one return blamed on the wrong message dead-letters it. Counted by the broker where it counts returns
 /// ([`Features::native_delivery_count`]), else by the route's delivery limit
 /// ([`Route::with_delivery_limit`], on a counter shared by the case's consumers as Redis
 /// would be).
@@ -509,7 +545,7 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
     mut harness: H,
 ) {
     const LIMIT: u32 = 1;
-    harness.publish(Some("poison"), br#"{"amount":1}"#).await;
+    let poison_id = harness.publish(Some("poison"), br#"{"amount":1}"#).await;
     let oks = ["ok-1", "ok-2", "ok-3"];
     for key in oks {
         harness.publish(Some(key), br#"{"amount":1}"#).await;
@@ -521,7 +557,7 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
     let handler = handler_fn(move |envelope: Envelope| {
         let first = counted.record(envelope.key().as_str(), envelope.delivery().attempt()) == 1;
         let poison = envelope.key().as_str() == "poison";
-        let crash = crash.clone();
+        let (crash, started) = (crash.clone(), crash.count());
         async move {
             if poison {
                 crash.interrupt();
@@ -530,29 +566,38 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
             if first {
                 tokio::time::sleep(Duration::from_secs(3)).await;
             }
+            crash.died_since(started).await;
             Ok::<(), HandlerError>(())
         }
     });
-    let (key, counter) = (harness.key_extractor(), MemoryDeliveryCounter::new());
-    let counted_by_route = !harness.features().native_delivery_count;
+    let (key, features, counter) = (
+        harness.key_extractor(),
+        harness.features(),
+        MemoryDeliveryCounter::new(),
+    );
     let route = move || {
         let route = Route::new("crashes", key.clone(), handler.clone());
-        match counted_by_route {
-            true => route.with_delivery_limit(counter.clone(), LIMIT),
-            false => route,
-        }
+        counting_returns(route, features, &counter, LIMIT)
     };
     let report = harness
         .drain_interrupted(route, interrupts, Interruption::Crash, LIMIT)
         .await;
     let dead = harness.dead_letters().await;
     assert_eq!(dead.len(), 1, "only the poison message: {report}");
-    assert_dead_letter(&harness, &dead[0], "delivery_limit", 1, "crashes");
+    assert_dead_letter(
+        &harness,
+        &dead[0],
+        "delivery_limit",
+        1,
+        "crashes",
+        (Some("poison"), &poison_id),
+    );
     let runs = runs.attempts();
     let poison_runs = runs.get("poison").map_or(0, Vec::len) as u32;
-    assert!(
-        (LIMIT..=LIMIT + 1).contains(&poison_runs),
-        "the poison message ran {poison_runs} times"
+    assert_eq!(
+        poison_runs,
+        LIMIT + 1,
+        "once among others, then alone up to the limit"
     );
     let caught = oks
         .iter()
@@ -569,6 +614,26 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
     harness.tear_down().await;
 }
 
+/// `route`, with a limit of `max` returns counted by the route's delivery limit
+/// ([`Route::with_delivery_limit`]) on `counter` — shared by the case's consumers, as Redis
+/// would be — where the broker does not count them itself.
+fn counting_returns<S>(
+    route: Route<S>,
+    features: Features,
+    counter: &MemoryDeliveryCounter,
+    max: u32,
+) -> Route<S>
+where
+    S: tower_service::Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send,
+{
+    match features.native_delivery_count {
+        true => route,
+        false => route.with_delivery_limit(counter.clone(), max),
+    }
+}
+
 /// Messages of the mid-batch cases: more than a consumer runs at once, so that an
 /// interruption finds some running and some waiting.
 fn batch(size: usize) -> Vec<String> {
@@ -577,7 +642,8 @@ fn batch(size: usize) -> Vec<String> {
 
 /// A handler for the mid-batch cases: counts runs in `runs` and, when it returns, the effect
 /// in `effects`; slow at a key's first run, so that an interruption finds it running. The
-/// first run of `interrupter` pulls `interrupts`, then crashes (never returns) or returns.
+/// first run of `interrupter` pulls `interrupts`; after a crash, no run that started before
+/// it returns (each died with its consumer).
 fn interrupting(
     runs: &Runs,
     effects: &Runs,
@@ -594,17 +660,17 @@ fn interrupting(
         let key = envelope.key().as_str().to_owned();
         let attempt = envelope.delivery().attempt();
         let first = runs.record(&key, attempt) == 1;
-        let (effects, interrupts) = (effects.clone(), interrupts.clone());
+        let (effects, interrupts, started) = (effects.clone(), interrupts.clone(), interrupts.count());
         async move {
             if first && key == interrupter {
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 interrupts.interrupt();
-                if how == Interruption::Crash {
-                    std::future::pending::<()>().await;
-                }
             }
             if first {
                 tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            if how == Interruption::Crash {
+                interrupts.died_since(started).await;
             }
             effects.record(&key, attempt);
             Ok::<(), HandlerError>(())
@@ -644,8 +710,15 @@ async fn interrupted_batch<H: AdapterHarness>(
     }
     let (runs, effects, interrupts) = (Runs::default(), Runs::default(), Interrupts::new());
     let stack = record_tier().layer(interrupting(&runs, &effects, &interrupts, "k-3", how));
-    let key = harness.key_extractor();
-    let route = move || Route::new("interrupted", key.clone(), stack.clone());
+    let (key, features, counter) = (
+        harness.key_extractor(),
+        harness.features(),
+        MemoryDeliveryCounter::new(),
+    );
+    let route = move || {
+        let route = Route::new("interrupted", key.clone(), stack.clone());
+        counting_returns(route, features, &counter, max_deliveries)
+    };
     let report = harness
         .drain_interrupted(route, interrupts, how, max_deliveries)
         .await;
@@ -654,15 +727,21 @@ async fn interrupted_batch<H: AdapterHarness>(
 }
 
 /// Shutdown mid-batch → every key's effect once, and no message blamed: the running ones
-/// finish, the ones received but not started come back to the next consumer as they were —
-/// with the strictest limit of returns, 1, where a return counted as a crash would
-/// dead-letter it.
+/// finish, the ones received but not started come back to the next consumer as they were,
+/// none reported as `returned_unsettled` (the code an adapter gives a delivery whose
+/// consumer died) — with the strictest limit of returns, 1, where a return counted as a
+/// crash would dead-letter it.
 pub async fn a_shutdown_mid_batch_applies_every_key_once_and_blames_no_message<H: AdapterHarness>(
     mut harness: H,
 ) {
     let report = interrupted_batch(&mut harness, 40, Interruption::Shutdown, 1).await;
     let dead = harness.dead_letters().await;
     assert!(dead.is_empty(), "{report}\n{dead:?}");
+    assert_eq!(
+        report.retries.get("returned_unsettled"),
+        None,
+        "none came back as if its consumer had died: {report}"
+    );
     assert!(
         report.settled() > 0,
         "the shutdown left messages to the next consumer (the case under test): {report}"
