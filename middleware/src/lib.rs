@@ -105,7 +105,6 @@ macro_rules! setters {
     };
 }
 
-mod backend;
 pub mod dead_letter;
 pub mod deliveries;
 mod envelope;
@@ -124,14 +123,13 @@ pub mod record;
 pub mod report;
 mod route;
 pub mod state_guard;
+mod store;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod tier;
 mod token;
 
-#[cfg(feature = "redis")]
-pub use backend::redis::{DEFAULT_REDIS_PREFIX, RedisConnection};
 pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use envelope::{BusinessKey, Delivery, Envelope, Extensions, Headers, Position, Source};
 pub use error::{BoxError, ConfigError, Error, InputError, StoreError};
@@ -143,5 +141,7 @@ pub use outcome::{BrokerAction, Outcome, RetryLater, RetryReason};
 #[cfg(feature = "redis")]
 pub use redis;
 pub use route::{DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_LEN, Route};
+#[cfg(feature = "redis")]
+pub use store::redis::{DEFAULT_REDIS_PREFIX, RedisConnection};
 pub use tier::{BoxFuture, FailurePolicy, Tier};
 pub use token::Token;

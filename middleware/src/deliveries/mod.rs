@@ -37,19 +37,15 @@
 //! guard only bounds a rare loop and must not stop every delivery while Redis is down.
 //! Costs three store round trips per delivery (read, count, clear).
 
-#[cfg(feature = "memory")]
-mod memory;
-#[cfg(feature = "redis")]
-mod redis;
 mod store;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 #[cfg(feature = "memory")]
-pub use memory::MemoryDeliveryCounter;
+pub use crate::store::memory::deliveries::MemoryDeliveryCounter;
 #[cfg(feature = "redis")]
-pub use redis::RedisDeliveryCounter;
+pub use crate::store::redis::deliveries::RedisDeliveryCounter;
 pub use store::DeliveryCounter;
 use tokio::sync::RwLock;
 
@@ -58,7 +54,7 @@ use crate::envelope::BusinessKey;
 use crate::outcome::Outcome;
 
 /// How long an unsettled count is kept: longer than any redelivery takes to come back.
-const COUNT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+pub(crate) const COUNT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// The route's guard: its counter, its limit, and the lock that lets a suspect run alone
 /// (deliveries share it; a suspect takes it exclusively).

@@ -28,16 +28,12 @@
 
 mod decision;
 mod layer;
-#[cfg(feature = "memory")]
-mod memory;
-#[cfg(feature = "redis")]
-mod redis;
 mod store;
 
+#[cfg(feature = "memory")]
+pub use crate::store::memory::flag::MemoryFlagStore;
 #[cfg(feature = "redis")]
-pub use self::redis::RedisFlagStore;
+pub use crate::store::redis::flag::RedisFlagStore;
 pub use decision::FlagTicket;
 pub use layer::FlagLayer;
-#[cfg(feature = "memory")]
-pub use memory::MemoryFlagStore;
 pub use store::{Claim, FlagStore};

@@ -28,17 +28,13 @@
 mod decision;
 mod layer;
 mod lease;
-#[cfg(feature = "memory")]
-mod memory;
-#[cfg(feature = "redis")]
-mod redis;
 mod store;
 
+#[cfg(feature = "memory")]
+pub use crate::store::memory::lock::MemoryLockStore;
 #[cfg(feature = "redis")]
-pub use self::redis::RedisLockStore;
+pub use crate::store::redis::lock::RedisLockStore;
 pub use decision::LockTicket;
 pub use layer::LockLayer;
 pub use lease::LockLease;
-#[cfg(feature = "memory")]
-pub use memory::MemoryLockStore;
 pub use store::LockStore;

@@ -28,13 +28,11 @@
 mod bitmap;
 mod bloom;
 mod layer;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod store;
 
+#[cfg(feature = "postgres")]
+pub use crate::store::postgres::prefilter::rebuild_from_records;
 pub use bitmap::BitmapPreFilter;
 pub use bloom::BloomPreFilter;
 pub use layer::PreFilterLayer;
-#[cfg(feature = "postgres")]
-pub use postgres::rebuild_from_records;
 pub use store::{PreFilter, Verdict};

@@ -29,21 +29,19 @@
 
 mod decision;
 mod layer;
-#[cfg(feature = "memory")]
-mod memory;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod safe;
 mod store;
 
-pub use decision::RecordTicket;
-pub use layer::RecordLayer;
 #[cfg(feature = "memory")]
-pub use memory::MemoryRecordStore;
+pub use crate::store::memory::record::MemoryRecordStore;
 #[cfg(feature = "postgres")]
-pub use postgres::{
+pub use crate::store::postgres::record::{
     BatchAnswer, BatchHandler, EffectCheck, PgBatchHandlerService, PgBatchedLayer, PgBatchedService,
     PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalTicket, ReconcileReport, Reconciler,
 };
+pub use decision::RecordTicket;
+#[cfg(feature = "postgres")]
+pub(crate) use decision::fencing_token;
+pub use layer::RecordLayer;
 pub use safe::{AssertTransactionSafe, TransactionSafe};
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

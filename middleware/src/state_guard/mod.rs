@@ -28,17 +28,13 @@
 mod decision;
 mod layer;
 mod machine;
-#[cfg(feature = "memory")]
-mod memory;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod store;
 
+#[cfg(feature = "memory")]
+pub use crate::store::memory::state::MemoryStateStore;
+#[cfg(feature = "postgres")]
+pub use crate::store::postgres::state::PgStateStore;
 pub use decision::StateTicket;
 pub use layer::StateGuardLayer;
 pub use machine::{StateMachine, StateMachineBuilder};
-#[cfg(feature = "memory")]
-pub use memory::MemoryStateStore;
-#[cfg(feature = "postgres")]
-pub use postgres::PgStateStore;
 pub use store::StateStore;

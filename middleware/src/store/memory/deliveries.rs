@@ -2,8 +2,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::store::DeliveryCounter;
-use crate::backend::memory::{Expiring, Shared};
+use super::{Expiring, Shared};
+use crate::deliveries::DeliveryCounter;
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::tier::BoxFuture;
@@ -50,7 +50,9 @@ impl DeliveryCounter for MemoryDeliveryCounter {
         let now = Instant::now();
         let mut counts = self.counts.lock();
         match counts.get(key, now).copied() {
-            Some(count) if count > 1 => counts.insert(key.clone(), count - 1, now + super::COUNT_TTL),
+            Some(count) if count > 1 => {
+                counts.insert(key.clone(), count - 1, now + crate::deliveries::COUNT_TTL)
+            }
             _ => {
                 counts.remove(key);
             }

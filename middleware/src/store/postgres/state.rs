@@ -1,12 +1,13 @@
+//! The state guard's store on PostgreSQL, and every statement on the entity state table.
+
 use std::fmt;
 use std::sync::Arc;
 
 use deadpool_postgres::Pool;
 
-use super::store::StateStore;
-use crate::backend::postgres::state::StateStatements;
-use crate::backend::postgres::{Checkout, Table};
+use super::{Checkout, Table};
 use crate::error::StoreError;
+use crate::state_guard::StateStore;
 
 /// A [`StateStore`] on PostgreSQL: one row per entity in a table made by
 /// [`migrate_state`](crate::postgres::migrate_state) (`entity_id`, `status`, `version`,
@@ -60,5 +61,31 @@ impl StateStore for PgStateStore {
             Ok(changed == 1)
         })
         .await
+    }
+}
+
+/// The entity state table's statements, by what they do.
+#[derive(Debug)]
+pub(crate) struct StateStatements {
+    /// `$1` entity: its status.
+    pub(crate) current: String,
+    /// `$1` entity, `$2` status: the first state of an entity that has none.
+    pub(crate) insert: String,
+    /// `$1` entity, `$2` expected status, `$3` next status; bumps the version.
+    pub(crate) update: String,
+}
+
+impl StateStatements {
+    pub(crate) fn new(table: &Table) -> Arc<Self> {
+        Arc::new(StateStatements {
+            current: format!("SELECT status FROM {table} WHERE entity_id = $1"),
+            insert: format!(
+                "INSERT INTO {table} (entity_id, status) VALUES ($1, $2) ON CONFLICT (entity_id) DO NOTHING"
+            ),
+            update: format!(
+                "UPDATE {table} SET status = $3, version = version + 1, updated_at = now()
+                 WHERE entity_id = $1 AND status = $2"
+            ),
+        })
     }
 }

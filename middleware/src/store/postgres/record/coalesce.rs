@@ -5,9 +5,9 @@ use std::sync::Arc;
 use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch};
 use crate::error::StoreError;
-use crate::record::store::{Begin, RecordStatus};
+use crate::record::{Begin, RecordStatus};
+use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch};
 
 type Waiter = (ClaimRequest, oneshot::Sender<Result<Begin, StoreError>>);
 

@@ -1,12 +1,17 @@
-//! What the PostgreSQL backends share: connections that return to the pool only when
-//! clean, validated names, migrations, and every statement on oncely's tables.
+//! The PostgreSQL store: the record tier's backends (transactional, batched, three-step,
+//! the reconciler), the state guard's store, the pre-filter's rebuild, and what they share —
+//! connections that return to the pool only when clean, validated names, migrations
+//! (`migrations/`), and every statement on oncely's tables.
 //!
 //! Every value goes to the server as a bound parameter. Schema, table and column names
 //! cannot be parameters, so they are validated as plain identifiers ([`Ident`]) and quoted
 //! before they are put into SQL.
 
+pub(crate) mod claims;
 mod migrate;
 mod names;
+#[cfg(feature = "prefilter")]
+pub(crate) mod prefilter;
 pub(crate) mod record;
 pub(crate) mod state;
 mod status_columns;

@@ -29,12 +29,12 @@ pub use self::batched::{BatchAnswer, BatchHandler, PgBatchHandlerService, PgBatc
 use self::coalesce::Coalescer;
 pub use self::reconciler::{EffectCheck, ReconcileReport, Reconciler};
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
-use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
-use crate::backend::postgres::record::{ClaimRequest, Statements, claim_batch, read_record};
-use crate::backend::postgres::{Checkout, Table};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
+use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
+use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch, read_record};
+use crate::store::postgres::{Checkout, Table};
 
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
 ///

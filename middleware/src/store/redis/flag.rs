@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::store::{Claim, FlagStore};
-use crate::backend::redis::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
+use crate::flag::{Claim, FlagStore};
 use crate::token::Token;
 
 const IN_FLIGHT: &str = "i:";

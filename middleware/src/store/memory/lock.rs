@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::store::LockStore;
-use crate::backend::memory::{Expiring, Shared};
+use super::{Expiring, Shared};
 use crate::error::StoreError;
+use crate::lock::LockStore;
 use crate::token::Token;
 
 /// An in-memory [`LockStore`] for tests and the quickstart.

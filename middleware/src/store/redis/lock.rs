@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::store::LockStore;
-use crate::backend::redis::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
 use crate::error::StoreError;
+use crate::lock::LockStore;
 use crate::token::Token;
 
 /// Takes the lock if free and hands out the next fencing token, in one step.

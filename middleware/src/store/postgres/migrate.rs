@@ -5,8 +5,8 @@ use deadpool_postgres::Pool;
 use super::{Checkout, Table};
 use crate::error::StoreError;
 
-const CONSUMPTION_RECORD: &str = include_str!("../../../migrations/consumption_record.sql");
-const ENTITY_STATE: &str = include_str!("../../../migrations/entity_state.sql");
+const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
+const ENTITY_STATE: &str = include_str!("migrations/entity_state.sql");
 
 /// Creates the consumption record table `table` and its indexes, and the table's schema,
 /// if they do not exist (the connecting role needs the right to create them).

@@ -9,10 +9,10 @@ use deadpool_postgres::Pool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::postgres::Table;
-use crate::backend::postgres::record::{Statements, to_i64};
 use crate::envelope::BusinessKey;
 use crate::error::{BoxError, StoreError};
+use crate::store::postgres::Table;
+use crate::store::postgres::claims::{Statements, to_i64};
 
 /// Answers "did the business effect happen for this key?", from the business's own data
 /// (an order row, a provider's API).

@@ -1,4 +1,9 @@
-//! What the Redis backends share: the connection bound, key names and scripts.
+//! The Redis store: the flag, lock and delivery-limit backends on it, and what they share —
+//! the connection bound, key names and scripts.
+
+pub(crate) mod deliveries;
+pub(crate) mod flag;
+pub(crate) mod lock;
 
 use std::sync::LazyLock;
 use std::time::Duration;

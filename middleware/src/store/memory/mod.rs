@@ -1,4 +1,11 @@
-//! The shared, expiring maps behind the in-memory stores.
+//! The in-memory store: every tier's backend on it, for unit tests and the quickstart, and
+//! the shared, expiring maps behind them.
+
+pub(crate) mod deliveries;
+pub(crate) mod flag;
+pub(crate) mod lock;
+pub(crate) mod record;
+pub(crate) mod state;
 
 use std::borrow::Borrow;
 use std::collections::HashMap;

@@ -3,11 +3,11 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use super::store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
-use crate::backend::memory::Shared;
+use super::Shared;
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
+use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
 
 #[derive(Debug)]
 struct Entry {

@@ -13,11 +13,11 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 use super::super::transactional::{
     PgTransactionalLayer, ROLLBACK, abandon, claim_request, commit, end, open,
 };
-use crate::backend::postgres::record::{ClaimRequest, claim_batch};
-use crate::backend::postgres::{Checkout, lost_to_another_transaction};
 use crate::envelope::{BusinessKey, Envelope};
 use crate::outcome::{Outcome, RetryReason};
-use crate::record::store::{Begin, RecordStatus};
+use crate::record::{Begin, RecordStatus};
+use crate::store::postgres::claims::{ClaimRequest, claim_batch};
+use crate::store::postgres::{Checkout, lost_to_another_transaction};
 use crate::tier::{Tier, store_unavailable};
 
 /// How big and how long a batch may grow, and how many run at once.

@@ -8,15 +8,15 @@ use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
 
-use crate::backend::postgres::record::{ClaimRequest, Claimed, Statements, claim_batch, to_i64};
-use crate::backend::postgres::{Checkout, Table};
 use crate::envelope::Envelope;
 use crate::error::StoreError;
 use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::TransactionSafe;
-use crate::record::decision::fencing_token;
-use crate::record::store::{Begin, RecordStatus};
+use crate::record::fencing_token;
+use crate::record::{Begin, RecordStatus};
+use crate::store::postgres::claims::{ClaimRequest, Claimed, Statements, claim_batch, to_i64};
+use crate::store::postgres::{Checkout, Table};
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
 /// Makes the session read-only outside the tier's transaction until the connection is

@@ -2,8 +2,8 @@ use std::fmt;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use super::store::DeliveryCounter;
-use crate::backend::redis::{DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use super::{DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use crate::deliveries::DeliveryCounter;
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::tier::BoxFuture;

@@ -10,12 +10,12 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::lane::{Ended, Joiner, Lanes, Word, Writer, Written};
-use crate::backend::postgres::Checkout;
 use crate::envelope::Envelope;
 use crate::error::BoxError;
 use crate::outcome::{Outcome, RetryReason};
-use crate::record::postgres::PgTransaction;
 use crate::route::panicked;
+use crate::store::postgres::Checkout;
+use crate::store::postgres::record::PgTransaction;
 use crate::telemetry::Probe;
 use crate::tier::{BoxFuture, Tier, behind, decide, take_readied};
 

@@ -1,8 +1,8 @@
 use std::collections::HashMap;
 
-use super::store::StateStore;
-use crate::backend::memory::Shared;
+use super::Shared;
 use crate::error::StoreError;
+use crate::state_guard::StateStore;
 
 /// An in-memory [`StateStore`] for tests and the quickstart.
 ///

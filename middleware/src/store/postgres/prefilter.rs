@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
-use super::store::PreFilter;
-use crate::backend::postgres::Table;
-use crate::backend::postgres::record::Statements;
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
+use crate::prefilter::PreFilter;
+use crate::store::postgres::Table;
+use crate::store::postgres::claims::Statements;
 
 /// Rows read per query while rebuilding.
 const REBUILD_BATCH: i64 = 10_000;

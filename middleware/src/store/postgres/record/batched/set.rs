@@ -12,12 +12,12 @@ use tower_service::Service;
 
 use super::super::transactional::PgTransactionalLayer;
 use super::lane::{Ended, Joiner, Lanes, Limits, Word, Writer, Written};
-use crate::backend::postgres::Checkout;
 use crate::envelope::Envelope;
 use crate::handler::{Argument, HandlerError, InTransaction};
 use crate::outcome::Outcome;
-use crate::record::postgres::PgTransaction;
 use crate::route::panicked;
+use crate::store::postgres::Checkout;
+use crate::store::postgres::record::PgTransaction;
 use crate::telemetry::Probe;
 use crate::tier::{BoxFuture, Tier, decide};
 

@@ -17,7 +17,7 @@ use super::transactional::PgTransactionalLayer;
 use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::record::TransactionSafe;
 #[cfg(doc)]
-use crate::record::postgres::PgTransaction;
+use crate::store::postgres::record::PgTransaction;
 
 impl PgTransactionalLayer {
     /// The batched mode of this tier (same pool, table and in-flight delay): see

@@ -2,11 +2,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::store::{Claim, FlagStore};
-use crate::backend::memory::{Expiring, Shared};
+use super::{Expiring, Shared};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
+use crate::flag::{Claim, FlagStore};
 use crate::token::Token;
 
 #[derive(Clone, Copy, Debug)]

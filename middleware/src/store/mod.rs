@@ -1,0 +1,11 @@
+//! Each store's one home: its plumbing, its SQL or scripts, its migrations, and every tier's
+//! backend on it (`memory/`, `redis/`, `postgres/`). Nothing here is imported by users: each
+//! tier re-exports its backends where users look for them (`oncely::flag::RedisFlagStore`,
+//! `oncely::record::PgTransactionalLayer`, …).
+
+#[cfg(feature = "memory")]
+pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
