@@ -54,7 +54,7 @@ doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --all-features
 
 ## Detects, starts or installs the services the integration tests need (Redis, PostgreSQL,
-## RabbitMQ, RocketMQ's Rust name server and broker).
+## MariaDB, RabbitMQ 3 and 4, RocketMQ's Rust name server and broker).
 services:
 	integration-tests/services.sh
 

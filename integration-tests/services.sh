@@ -8,12 +8,13 @@
 #
 # Usage: integration-tests/services.sh [SERVICE...]
 #        integration-tests/services.sh rabbitmqctl4 ARGS...   (rabbitmqctl for RabbitMQ 4.0)
-#   services: redis postgres rabbitmq rabbitmq4 rocketmq; default: all five. RocketMQ's first
+#   services: redis postgres mariadb rabbitmq rabbitmq4 rocketmq; default: all six. RocketMQ's first
 #   install builds its servers from source (about 25 min on 2 cores); later runs reuse the
 #   build. RabbitMQ 4.0's first install makes a Debian 13 root (about 2 min, see below).
 # Addresses come from the same variables the tests read:
 #   REDIS_URL     (default redis://127.0.0.1:6379)
 #   DATABASE_URL  (default postgres://postgres@127.0.0.1:5432/test)
+#   MYSQL_URL     (default mysql://root@127.0.0.1:3306/test): MariaDB or MySQL
 #   AMQP_ADDR     (default amqp://guest:guest@127.0.0.1:5672/%2f)
 #   AMQP_ADDR_4   (default amqp://guest:guest@127.0.0.1:5673/%2f): RabbitMQ 4.x
 #   ROCKETMQ_NAMESRV (default 127.0.0.1:9876)
@@ -24,6 +25,7 @@ set -euo pipefail
 
 REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379}"
 DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+MYSQL_URL="${MYSQL_URL:-mysql://root@127.0.0.1:3306/test}"
 AMQP_ADDR="${AMQP_ADDR:-amqp://guest:guest@127.0.0.1:5672/%2f}"
 AMQP_ADDR_4="${AMQP_ADDR_4:-amqp://guest:guest@127.0.0.1:5673/%2f}"
 ROCKETMQ_NAMESRV="${ROCKETMQ_NAMESRV:-127.0.0.1:9876}"
@@ -123,6 +125,47 @@ ensure_postgres() {
     psql "$admin" -qc "CREATE DATABASE \"$database\"" >/dev/null
   fi
   log "postgres: up at $host:$port, database ${database:-postgres}"
+}
+
+mariadb_answers() {
+  # mysqladmin ping succeeds whenever the server runs, even if it refuses the user.
+  if command -v mysqladmin >/dev/null; then
+    mysqladmin --protocol=tcp -h "$1" -P "$2" ping >/dev/null 2>&1
+  else
+    tcp_open "$1" "$2"
+  fi
+}
+
+ensure_mariadb() {
+  local host port user database installed=""
+  host=$(url_host "$MYSQL_URL"); port=$(url_port "$MYSQL_URL" 3306)
+  user=$(url_user "$MYSQL_URL" root); database=$(url_path "$MYSQL_URL")
+  if ! mariadb_answers "$host" "$port"; then
+    is_local "$host" || die "mariadb: nothing answers at $host:$port, and it is not this machine"
+    if ! command -v mariadbd >/dev/null && ! command -v mysqld >/dev/null; then
+      apt_install mariadb-server mariadb-client
+      installed=1
+    fi
+    log "mariadb: starting"
+    if [[ -x /etc/init.d/mariadb ]]; then
+      /etc/init.d/mariadb start >/dev/null 2>&1 || true
+    else
+      setsid mysqld_safe >/dev/null 2>&1 </dev/null &
+    fi
+    wait_for mariadb 60 mariadb_answers "$host" "$port"
+    if [[ -n $installed ]]; then
+      # Debian's root signs in by its Unix socket only; let it in over loopback TCP with
+      # an empty password too, as the project's machines do — only on a server this
+      # script installed itself.
+      mariadb -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('')"
+    fi
+  fi
+  command -v mariadb >/dev/null || apt_install mariadb-client
+  if [[ -n $database ]]; then
+    mariadb --protocol=tcp -h "$host" -P "$port" -u "$user" -e "CREATE DATABASE IF NOT EXISTS \`$database\`" \
+      || die "mariadb: cannot sign in as $user at $host:$port (MYSQL_URL)"
+  fi
+  log "mariadb: up at $host:$port, database ${database:-none}"
 }
 
 amqp_answers() {
@@ -270,11 +313,12 @@ TOML
 
 if [[ ${1:-} == rabbitmqctl4 ]]; then shift; rabbitmqctl4 "$@"; exit; fi
 services=("$@")
-[[ ${#services[@]} -gt 0 ]] || services=(redis postgres rabbitmq rabbitmq4 rocketmq)
+[[ ${#services[@]} -gt 0 ]] || services=(redis postgres mariadb rabbitmq rabbitmq4 rocketmq)
 for service in "${services[@]}"; do
   case $service in
     redis) ensure_redis ;;
     postgres) ensure_postgres ;;
+    mariadb) ensure_mariadb ;;
     rabbitmq) ensure_rabbitmq ;;
     rabbitmq4) ensure_rabbitmq4 ;;
     rocketmq) ensure_rocketmq ;;

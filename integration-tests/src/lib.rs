@@ -6,6 +6,7 @@ pub mod amqp_tap;
 pub mod chaos_stack;
 pub mod dead_letter;
 pub mod harness;
+pub mod mysql;
 pub mod outcomes;
 pub mod postgres;
 pub mod recorder;

@@ -208,6 +208,13 @@ impl From<deadpool_postgres::PoolError> for StoreError {
     }
 }
 
+#[cfg(feature = "mysql")]
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        StoreError::new(error)
+    }
+}
+
 /// Any of oncely's errors, for code that wants one type; `?` converts each.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -114,6 +114,8 @@ pub mod flag;
 pub mod handler;
 mod key;
 pub mod lock;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 mod outcome;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -34,6 +34,8 @@ mod store;
 
 #[cfg(feature = "memory")]
 pub use crate::store::memory::record::MemoryRecordStore;
+#[cfg(feature = "mysql")]
+pub use crate::store::mysql::record::MysqlRecordStore;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
     BatchAnswer, BatchHandler, EffectCheck, PgBatchHandlerService, PgBatchedLayer, PgBatchedService,

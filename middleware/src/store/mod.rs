@@ -5,7 +5,11 @@
 
 #[cfg(feature = "memory")]
 pub(crate) mod memory;
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql;

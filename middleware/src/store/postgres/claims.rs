@@ -12,6 +12,8 @@ use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus};
+pub(crate) use crate::store::sql::to_i64;
+use crate::store::sql::{FoundRecord, parse_fingerprint, parse_status, refused_claim};
 
 /// The SQL text of every statement, with the table name filled in.
 #[derive(Debug)]
@@ -190,25 +192,16 @@ pub(crate) async fn claim_batch(
     })
 }
 
-/// Why a claim did not take the row.
+/// Why a claim did not take the row (a row it could take over again was changed between
+/// the claim and this read: the retry sees where it stands).
 fn classify(row: &Row, request: &ClaimRequest) -> Result<Begin, StoreError> {
-    let status = parse_status(row.get(1))?;
-    let recorded = parse_fingerprint(row.get(2))?;
-    let leased: bool = row.get(3);
-    let recorded_fence: Option<i64> = row.get(4);
-    Ok(if !request.fingerprint.matches(recorded) {
-        Begin::Conflict { recorded }
-    } else if status == RecordStatus::Success {
-        Begin::Done
-    } else if status == RecordStatus::Processing && leased {
-        Begin::InProgress
-    } else if matches!((request.fencing_token, recorded_fence), (Some(ours), Some(theirs)) if to_i64(ours) < theirs)
-    {
-        Begin::Fenced
-    } else {
-        // Changed between the claim and this read; the retry sees where it stands.
-        Begin::InProgress
-    })
+    let found = FoundRecord {
+        status: parse_status(row.get(1))?,
+        fingerprint: parse_fingerprint(row.get(2))?,
+        leased: row.get(3),
+        fencing_token: row.get(4),
+    };
+    Ok(refused_claim(&found, request.fingerprint, request.fencing_token).unwrap_or(Begin::InProgress))
 }
 
 pub(crate) fn read_record(row: &Row) -> Result<ConsumptionRecord, StoreError> {
@@ -226,36 +219,4 @@ pub(crate) fn read_record(row: &Row) -> Result<ConsumptionRecord, StoreError> {
         updated_at,
         fencing_token: fencing_token.and_then(|token| u64::try_from(token).ok()),
     })
-}
-
-fn parse_status(status: &str) -> Result<RecordStatus, StoreError> {
-    match status {
-        "PROCESSING" => Ok(RecordStatus::Processing),
-        "SUCCESS" => Ok(RecordStatus::Success),
-        "FAILURE" => Ok(RecordStatus::Failure),
-        other => Err(StoreError::malformed(format!("unknown record status {other:?}"))),
-    }
-}
-
-fn parse_fingerprint(hex: &str) -> Result<Fingerprint, StoreError> {
-    u128::from_str_radix(hex, 16)
-        .map(Fingerprint::from_u128)
-        .map_err(|_| StoreError::malformed(format!("malformed payload fingerprint {hex:?}")))
-}
-
-/// PostgreSQL has no unsigned 64-bit integer; fencing tokens and leases beyond `i64::MAX`
-/// saturate, which keeps their order.
-pub(crate) fn to_i64(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::to_i64;
-
-    #[test]
-    fn tokens_beyond_i64_saturate_in_order() {
-        assert_eq!(to_i64(7), 7);
-        assert_eq!(to_i64(u64::MAX), i64::MAX);
-    }
 }

@@ -1,0 +1,65 @@
+//! The MySQL / MariaDB store against a real server (`MYSQL_URL`; `services.sh mariadb`
+//! starts or installs MariaDB): the record store suite on the three-step store, the
+//! migration run by many consumers at once, and keys compared byte for byte. Each test has
+//! a database of its own.
+
+use integration_tests::mysql::scratch_database;
+use oncely::mysql::{Table, migrate};
+use oncely::record::{Begin, MysqlRecordStore, RecordStore};
+use oncely::{BusinessKey, Fingerprint};
+
+fn table() -> Table {
+    Table::new("consumption_record").expect("a valid name")
+}
+
+async fn store() -> MysqlRecordStore {
+    let pool = scratch_database(8).await;
+    migrate(&pool, &table()).await.expect("migrate");
+    MysqlRecordStore::new(pool, table())
+}
+
+oncely::store_suite!(record, store);
+
+/// Consumers that start together each run the migration: all succeed, and the table is
+/// made once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_migration_is_safe_when_many_consumers_start_at_once() {
+    let pool = scratch_database(8).await;
+    let migrations: Vec<_> = (0..8)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move { migrate(&pool, &table()).await })
+        })
+        .collect();
+    for migration in migrations {
+        migration.await.unwrap().expect("every migration succeeds");
+    }
+    let store = MysqlRecordStore::new(pool, table());
+    let key = BusinessKey::new("o-1");
+    let lease = std::time::Duration::from_secs(30);
+    assert_eq!(
+        store
+            .begin(&key, Fingerprint::of(b"x"), lease, None)
+            .await
+            .unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+}
+
+/// Keys differ when their bytes differ: a PAD SPACE collation would take `k` and `k ` (or
+/// `K`, under a case-insensitive one) for one key and answer the second as its duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_that_differ_in_case_or_trailing_spaces_are_different_keys() {
+    let store = store().await;
+    let lease = std::time::Duration::from_secs(30);
+    for key in ["k", "k ", "K", "k\u{0}"] {
+        assert_eq!(
+            store
+                .begin(&BusinessKey::new(key), Fingerprint::of(b"x"), lease, None)
+                .await
+                .unwrap(),
+            Begin::Started { attempt: 1 },
+            "{key:?} is a key of its own"
+        );
+    }
+}

@@ -1,0 +1,9 @@
+//! MySQL and MariaDB: the record table's name and migration, and the sqlx version oncely's
+//! MySQL backends take their pools from ([`MysqlRecordStore`](crate::record::MysqlRecordStore)).
+//!
+//! Tested on MariaDB 10.11; written for MySQL 8.0.16+ as its documentation describes. See
+//! the README's "MySQL and MariaDB" for what differs from PostgreSQL.
+
+pub use sqlx;
+
+pub use crate::store::mysql::{Table, migrate};

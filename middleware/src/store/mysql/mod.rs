@@ -1,0 +1,58 @@
+//! The MySQL and MariaDB store, on sqlx's driver: the record tier's three-step store, its
+//! table name and migration. What it shares with PostgreSQL (how a claim that finds a row
+//! answers, how rows read back) is in `store/sql.rs`.
+//!
+//! Every value goes to the server as a bound parameter; the table name cannot be one, so it
+//! is validated ([`Table`]) and quoted before it is put into SQL.
+
+pub(crate) mod record;
+
+use std::fmt;
+
+use sqlx::MySqlPool;
+
+use crate::error::{ConfigError, StoreError};
+
+const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
+
+/// A table in the connection's database: 1 to 64 lowercase ASCII letters, digits and
+/// underscores, not starting with a digit. Shown back-quoted, ready for SQL.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Table(String);
+
+impl Table {
+    /// Validates `name`; [`ConfigError::InvalidIdentifier`] if it is not a plain name.
+    pub fn new(name: impl Into<String>) -> Result<Self, ConfigError> {
+        let name = name.into();
+        let plain = (1..=64).contains(&name.len())
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        match plain {
+            true => Ok(Table(name)),
+            false => Err(ConfigError::InvalidIdentifier { identifier: name }),
+        }
+    }
+
+    /// The name, unquoted.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Table {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}`", self.0)
+    }
+}
+
+/// Creates the consumption record table `table` in the pool's database if it does not
+/// exist: one `CREATE TABLE IF NOT EXISTS` (InnoDB, with its indexes), so it is idempotent
+/// and safe when several consumers start at once. Needs MySQL 8.0.16+ or MariaDB 10.6+
+/// (for the status `CHECK`). It never alters an existing table.
+pub async fn migrate(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> {
+    let statement = CONSUMPTION_RECORD.replace("{table}", &table.to_string());
+    sqlx::raw_sql(&statement).execute(pool).await?;
+    Ok(())
+}

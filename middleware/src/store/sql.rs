@@ -1,0 +1,76 @@
+//! What the SQL stores share, written once: how a record row reads back, and what a claim
+//! that finds a row it may not take answers. Each SQL store (`postgres/`, `mysql/`) keeps
+//! its own statements and plumbing and calls these.
+
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Begin, RecordStatus};
+
+/// A record row as a claim finds it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FoundRecord {
+    pub(crate) status: RecordStatus,
+    pub(crate) fingerprint: Fingerprint,
+    /// A `PROCESSING` row whose lease still runs.
+    pub(crate) leased: bool,
+    pub(crate) fencing_token: Option<i64>,
+}
+
+/// What a claim of `fingerprint` with `fencing_token` answers on `found`, or `None` when it
+/// may take the row over (a `FAILURE` row, or a `PROCESSING` one past its lease, with the
+/// same payload and a fencing token no older than the recorded one).
+pub(crate) fn refused_claim(
+    found: &FoundRecord,
+    fingerprint: Fingerprint,
+    fencing_token: Option<u64>,
+) -> Option<Begin> {
+    let stale_fence =
+        matches!((fencing_token, found.fencing_token), (Some(ours), Some(theirs)) if to_i64(ours) < theirs);
+    if !fingerprint.matches(found.fingerprint) {
+        Some(Begin::Conflict {
+            recorded: found.fingerprint,
+        })
+    } else if found.status == RecordStatus::Success {
+        Some(Begin::Done)
+    } else if found.status == RecordStatus::Processing && found.leased {
+        Some(Begin::InProgress)
+    } else if stale_fence {
+        Some(Begin::Fenced)
+    } else {
+        None
+    }
+}
+
+/// A status column's text as a [`RecordStatus`].
+pub(crate) fn parse_status(status: &str) -> Result<RecordStatus, StoreError> {
+    match status {
+        "PROCESSING" => Ok(RecordStatus::Processing),
+        "SUCCESS" => Ok(RecordStatus::Success),
+        "FAILURE" => Ok(RecordStatus::Failure),
+        other => Err(StoreError::malformed(format!("unknown record status {other:?}"))),
+    }
+}
+
+/// A fingerprint column's 32 hex digits as a [`Fingerprint`].
+pub(crate) fn parse_fingerprint(hex: &str) -> Result<Fingerprint, StoreError> {
+    u128::from_str_radix(hex, 16)
+        .map(Fingerprint::from_u128)
+        .map_err(|_| StoreError::malformed(format!("malformed payload fingerprint {hex:?}")))
+}
+
+/// SQL has no unsigned 64-bit integer that both stores share; fencing tokens and leases
+/// beyond `i64::MAX` saturate, which keeps their order.
+pub(crate) fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::to_i64;
+
+    #[test]
+    fn tokens_beyond_i64_saturate_in_order() {
+        assert_eq!(to_i64(7), 7);
+        assert_eq!(to_i64(u64::MAX), i64::MAX);
+    }
+}
