@@ -41,6 +41,17 @@ pub(crate) fn refused_claim(
     }
 }
 
+/// Whether `name` is a plain SQL name: 1 to `max_len` lowercase ASCII letters, digits and
+/// underscores, not starting with a digit — safe to quote into SQL, since names cannot be
+/// bound parameters.
+pub(crate) fn is_plain_name(name: &str, max_len: usize) -> bool {
+    (1..=max_len).contains(&name.len())
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
 /// A status column's text as a [`RecordStatus`].
 pub(crate) fn parse_status(status: &str) -> Result<RecordStatus, StoreError> {
     match status {

@@ -24,12 +24,7 @@ impl Table {
     /// Validates `name`; [`ConfigError::InvalidIdentifier`] if it is not a plain name.
     pub fn new(name: impl Into<String>) -> Result<Self, ConfigError> {
         let name = name.into();
-        let plain = (1..=64).contains(&name.len())
-            && !name.starts_with(|c: char| c.is_ascii_digit())
-            && name
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        match plain {
+        match crate::store::sql::is_plain_name(&name, 64) {
             true => Ok(Table(name)),
             false => Err(ConfigError::InvalidIdentifier { identifier: name }),
         }

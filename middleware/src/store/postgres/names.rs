@@ -13,12 +13,7 @@ impl Ident {
     /// Validates `name`; [`ConfigError::InvalidIdentifier`] if it is not a plain identifier.
     pub fn new(name: impl Into<String>) -> Result<Self, ConfigError> {
         let name = name.into();
-        let plain = (1..=63).contains(&name.len())
-            && !name.starts_with(|c: char| c.is_ascii_digit())
-            && name
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if plain {
+        if crate::store::sql::is_plain_name(&name, 63) {
             Ok(Ident(name))
         } else {
             Err(ConfigError::InvalidIdentifier { identifier: name })
