@@ -1,11 +1,12 @@
 //! The MySQL / MariaDB store against a real server (`MYSQL_URL`; `services.sh mariadb`
-//! starts or installs MariaDB): the record store suite on the three-step store, the
+//! starts or installs MariaDB): the record and state store suites, the
 //! migration run by many consumers at once, and keys compared byte for byte. Each test has
 //! a database of its own.
 
 use integration_tests::mysql::scratch_database;
-use oncely::mysql::{Table, migrate};
+use oncely::mysql::{Table, migrate, migrate_state};
 use oncely::record::{Begin, MysqlRecordStore, RecordStore};
+use oncely::state_guard::MysqlStateStore;
 use oncely::{BusinessKey, Fingerprint};
 
 fn table() -> Table {
@@ -19,6 +20,15 @@ async fn store() -> MysqlRecordStore {
 }
 
 oncely::store_suite!(record, store);
+
+async fn state_store() -> MysqlStateStore {
+    let pool = scratch_database(8).await;
+    let table = Table::new("entity_state").expect("a valid name");
+    migrate_state(&pool, &table).await.expect("migrate");
+    MysqlStateStore::new(pool, table)
+}
+
+oncely::store_suite!(state, state_store);
 
 /// Consumers that start together each run the migration: all succeed, and the table is
 /// made once.

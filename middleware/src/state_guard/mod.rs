@@ -32,6 +32,8 @@ mod store;
 
 #[cfg(feature = "memory")]
 pub use crate::store::memory::state::MemoryStateStore;
+#[cfg(feature = "mysql")]
+pub use crate::store::mysql::state::MysqlStateStore;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::state::PgStateStore;
 pub use decision::StateTicket;

@@ -1,11 +1,12 @@
-//! The MySQL and MariaDB store, on sqlx's driver: the record tier's three-step store, its
-//! table name and migration. What it shares with PostgreSQL (how a claim that finds a row
+//! The MySQL and MariaDB store, on sqlx's driver: the record tier's three-step store, the
+//! state guard's store, their table names and migrations. What it shares with PostgreSQL (how a claim that finds a row
 //! answers, how rows read back) is in `store/sql.rs`.
 //!
 //! Every value goes to the server as a bound parameter; the table name cannot be one, so it
 //! is validated ([`Table`]) and quoted before it is put into SQL.
 
 pub(crate) mod record;
+pub(crate) mod state;
 
 use std::fmt;
 
@@ -14,6 +15,7 @@ use sqlx::MySqlPool;
 use crate::error::{ConfigError, StoreError};
 
 const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
+const ENTITY_STATE: &str = include_str!("migrations/entity_state.sql");
 
 /// A table in the connection's database: 1 to 64 lowercase ASCII letters, digits and
 /// underscores, not starting with a digit. Shown back-quoted, ready for SQL.
@@ -47,7 +49,19 @@ impl fmt::Display for Table {
 /// and safe when several consumers start at once. Needs MySQL 8.0.16+ or MariaDB 10.6+
 /// (for the status `CHECK`). It never alters an existing table.
 pub async fn migrate(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> {
-    let statement = CONSUMPTION_RECORD.replace("{table}", &table.to_string());
+    run_migration(pool, CONSUMPTION_RECORD, table).await
+}
+
+/// Creates the entity state table `table` for
+/// [`MysqlStateStore`](crate::state_guard::MysqlStateStore) if it does not exist:
+/// `entity_id VARBINARY(1024) PRIMARY KEY, status VARBINARY(255), version BIGINT,
+/// updated_at DATETIME(6)`. Idempotent, like [`migrate`].
+pub async fn migrate_state(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> {
+    run_migration(pool, ENTITY_STATE, table).await
+}
+
+async fn run_migration(pool: &MySqlPool, template: &str, table: &Table) -> Result<(), StoreError> {
+    let statement = template.replace("{table}", &table.to_string());
     sqlx::raw_sql(&statement).execute(pool).await?;
     Ok(())
 }
