@@ -38,7 +38,8 @@ die() { log "$*"; exit 1; }
 # host and port of a URL like scheme://user:pass@host:port/path
 url_host() { local rest="${1#*://}"; rest="${rest##*@}"; rest="${rest%%/*}"; printf '%s' "${rest%:*}"; }
 url_user() { local rest="${1#*://}"; [[ $rest == *@* ]] && { rest="${rest%%@*}"; printf '%s' "${rest%%:*}"; } || printf '%s' "$2"; }
-url_path() { local rest="${1#*://}"; rest="${rest#*/}"; printf '%s' "${rest%%\?*}"; }
+url_password() { local rest="${1#*://}"; [[ $rest == *@* ]] || return 0; rest="${rest%%@*}"; [[ $rest == *:* ]] && printf '%s' "${rest#*:}"; }
+url_path() { local rest="${1#*://}"; [[ $rest == */* ]] || return 0; rest="${rest#*/}"; printf '%s' "${rest%%\?*}"; }
 url_port() { local rest="${1#*://}"; rest="${rest##*@}"; rest="${rest%%/*}"; [[ $rest == *:* ]] && printf '%s' "${rest##*:}" || printf '%s' "$2"; }
 
 is_local() { [[ $1 == 127.* || $1 == localhost || $1 == ::1 || $1 == '[::1]' ]]; }
@@ -142,27 +143,33 @@ ensure_mariadb() {
   user=$(url_user "$MYSQL_URL" root); database=$(url_path "$MYSQL_URL")
   if ! mariadb_answers "$host" "$port"; then
     is_local "$host" || die "mariadb: nothing answers at $host:$port, and it is not this machine"
-    if ! command -v mariadbd >/dev/null && ! command -v mysqld >/dev/null; then
+    if ! command -v mariadbd >/dev/null && ! command -v mysqld >/dev/null \
+      && [[ ! -x /usr/sbin/mariadbd && ! -x /usr/sbin/mysqld ]]; then
       apt_install mariadb-server mariadb-client
       installed=1
     fi
     log "mariadb: starting"
+    local sudo=""
+    [[ $(id -u) == 0 ]] || sudo="sudo"
     if [[ -x /etc/init.d/mariadb ]]; then
-      /etc/init.d/mariadb start >/dev/null 2>&1 || true
+      $sudo /etc/init.d/mariadb start >/dev/null 2>&1 || true
+    elif [[ -x /etc/init.d/mysql ]]; then
+      $sudo /etc/init.d/mysql start >/dev/null 2>&1 || true
     else
-      setsid mysqld_safe >/dev/null 2>&1 </dev/null &
+      $sudo setsid mysqld_safe >/dev/null 2>&1 </dev/null &
     fi
     wait_for mariadb 60 mariadb_answers "$host" "$port"
     if [[ -n $installed ]]; then
       # Debian's root signs in by its Unix socket only; let it in over loopback TCP with
       # an empty password too, as the project's machines do — only on a server this
       # script installed itself.
-      mariadb -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('')"
+      $sudo mariadb -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('')"
     fi
   fi
   command -v mariadb >/dev/null || apt_install mariadb-client
   if [[ -n $database ]]; then
-    mariadb --protocol=tcp -h "$host" -P "$port" -u "$user" -e "CREATE DATABASE IF NOT EXISTS \`$database\`" \
+    MYSQL_PWD=$(url_password "$MYSQL_URL") \
+      mariadb --protocol=tcp -h "$host" -P "$port" -u "$user" -e "CREATE DATABASE IF NOT EXISTS \`$database\`" \
       || die "mariadb: cannot sign in as $user at $host:$port (MYSQL_URL)"
   fi
   log "mariadb: up at $host:$port, database ${database:-none}"

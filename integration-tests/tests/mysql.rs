@@ -3,7 +3,7 @@
 //! migration run by many consumers at once, and keys compared byte for byte. Each test has
 //! a database of its own.
 
-use integration_tests::mysql::scratch_database;
+use integration_tests::mysql::{pool_on, scratch_database};
 use oncely::mysql::{Table, migrate, migrate_state};
 use oncely::record::{Begin, MysqlRecordStore, RecordStore};
 use oncely::state_guard::MysqlStateStore;
@@ -70,6 +70,36 @@ async fn keys_that_differ_in_case_or_trailing_spaces_are_different_keys() {
                 .unwrap(),
             Begin::Started { attempt: 1 },
             "{key:?} is a key of its own"
+        );
+    }
+}
+
+/// Consumers whose connections are set to different time zones read each other's leases
+/// right: a claim made in UTC still holds the key for one in UTC+8, where a lease written
+/// in one session's local time would read as hours past.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_hold_across_consumers_in_different_time_zones() {
+    let utc = scratch_database(2).await;
+    migrate(&utc, &table()).await.expect("migrate");
+    let database: String = oncely::mysql::sqlx::query_scalar("SELECT DATABASE()")
+        .fetch_one(&utc)
+        .await
+        .unwrap();
+    let east = pool_on(&database, 2, Some("+08:00")).await;
+    let west = pool_on(&database, 2, Some("-08:00")).await;
+    let lease = std::time::Duration::from_secs(30);
+    let (fingerprint, key) = (Fingerprint::of(b"x"), BusinessKey::new("o-1"));
+    let first = MysqlRecordStore::new(west, table());
+    assert_eq!(
+        first.begin(&key, fingerprint, lease, None).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    for pool in [east, utc] {
+        let other = MysqlRecordStore::new(pool, table());
+        assert_eq!(
+            other.begin(&key, fingerprint, lease, None).await.unwrap(),
+            Begin::InProgress,
+            "the lease still runs"
         );
     }
 }

@@ -50,6 +50,7 @@
 //! - [`telemetry`]: the metrics every tier records (feature `metrics`, default).
 //! - `postgres` (feature `postgres`): the tables oncely creates and a helper for idempotent
 //!   state changes.
+//! - `mysql` (feature `mysql`): the same tables on MySQL and MariaDB, and the sqlx it uses.
 //! - `testing` (feature `testing`): the store suites a backend of your own must pass.
 //! - [`InputError`], [`ConfigError`], [`StoreError`]: errors, by who must act.
 //!
@@ -61,6 +62,8 @@
 //!   (`record::PgTransactionalLayer`) or three-step mode (`record::PgRecordStore`, with
 //!   claim coalescing and a `record::Reconciler`), and the state guard's
 //!   `state_guard::PgStateStore`.
+//! - `mysql`: on MySQL 8 or MariaDB (sqlx), the record tier's three-step store
+//!   (`record::MysqlRecordStore`) and the state guard's `state_guard::MysqlStateStore`.
 //! - `prefilter`: the pre-filter tier's Bloom filter (`fastbloom`) and roaring bitmap.
 //!
 //! and two that are not backends: `metrics` (default), the tiers' metrics through the

@@ -35,7 +35,7 @@ mod store;
 #[cfg(feature = "memory")]
 pub use crate::store::memory::record::MemoryRecordStore;
 #[cfg(feature = "mysql")]
-pub use crate::store::mysql::record::MysqlRecordStore;
+pub use crate::store::mysql::record::{MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES, MysqlRecordStore};
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
     BatchAnswer, BatchHandler, EffectCheck, PgBatchHandlerService, PgBatchedLayer, PgBatchedService,

@@ -52,7 +52,7 @@ macro_rules! store_suite {
         $crate::__store_suite!(lock, ($($how)*), [one_of_many_concurrent_acquisitions_wins, fencing_tokens_grow, renew_and_release_refuse_a_wrong_token, renewal_extends_the_lease_and_expiry_frees_it]);
     };
     (record, $($how:tt)*) => {
-        $crate::__store_suite!(record, ($($how)*), [one_of_many_concurrent_begins_starts, a_succeeded_record_is_done, a_failed_record_is_taken_over, another_payload_is_a_conflict, an_unchecked_fingerprint_is_never_a_conflict, a_processing_record_is_taken_over_after_its_lease, a_stale_fencing_token_cannot_take_over]);
+        $crate::__store_suite!(record, ($($how)*), [one_of_many_concurrent_begins_starts, one_of_many_concurrent_takeovers_starts, a_succeeded_record_is_done, a_failed_record_is_taken_over, another_payload_is_a_conflict, an_unchecked_fingerprint_is_never_a_conflict, a_processing_record_is_taken_over_after_its_lease, a_stale_fencing_token_cannot_take_over]);
     };
     (state, $($how:tt)*) => {
         $crate::__store_suite!(state, ($($how)*), [compare_and_set_moves_only_from_the_expected_state, one_of_many_concurrent_transitions_applies]);

@@ -36,6 +36,31 @@ pub async fn one_of_many_concurrent_begins_starts<S: RecordStore>(store: S) {
     assert_eq!(started, 1);
 }
 
+/// Of 32 concurrent begins of a failed key, exactly one takes it over, as attempt 2.
+pub async fn one_of_many_concurrent_takeovers_starts<S: RecordStore>(store: S) {
+    let (key, fingerprint) = (key("record-takeover-race"), Fingerprint::of(b"x"));
+    assert_eq!(
+        store.begin(&key, fingerprint, LEASE, None).await.unwrap(),
+        Begin::Started { attempt: 1 }
+    );
+    assert!(store.fail(&key, 1, "database busy").await.unwrap());
+    let begins: Vec<_> = (0..32)
+        .map(|_| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move { store.begin(&key, fingerprint, LEASE, None).await.unwrap() })
+        })
+        .collect();
+    let mut started = Vec::new();
+    for begin in begins {
+        match begin.await.unwrap() {
+            Begin::Started { attempt } => started.push(attempt),
+            Begin::InProgress => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(started, [2], "one takeover, as attempt 2");
+}
+
 /// A record goes PROCESSING → SUCCESS, is then done, and reads back with its fields.
 pub async fn a_succeeded_record_is_done<S: RecordStore>(store: S) {
     let (key, fingerprint) = (key("record-success"), Fingerprint::of(b"x"));

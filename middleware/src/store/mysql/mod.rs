@@ -46,8 +46,8 @@ impl fmt::Display for Table {
 
 /// Creates the consumption record table `table` in the pool's database if it does not
 /// exist: one `CREATE TABLE IF NOT EXISTS` (InnoDB, with its indexes), so it is idempotent
-/// and safe when several consumers start at once. Needs MySQL 8.0.16+ or MariaDB 10.6+
-/// (for the status `CHECK`). It never alters an existing table.
+/// and safe when several consumers start at once. For MySQL 8 and MariaDB 10.6+ (tested on
+/// MariaDB 10.11). It never alters an existing table.
 pub async fn migrate(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> {
     run_migration(pool, CONSUMPTION_RECORD, table).await
 }

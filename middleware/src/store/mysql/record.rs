@@ -14,6 +14,13 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
 use crate::store::sql::{FoundRecord, parse_fingerprint, parse_status, refused_claim, to_i64};
 
+/// The longest business key the record table holds (`VARBINARY(1024)`), in bytes.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// How much of a failure's text is kept: `TEXT` holds 64 KiB, and 4-byte characters fill
+/// it at 16 Ki.
+const MAX_ERROR_CHARS: usize = 16 * 1024;
+
 /// Every statement on the record table, with its name filled in.
 #[derive(Debug)]
 struct Statements {
@@ -34,37 +41,43 @@ struct Statements {
 
 impl Statements {
     fn new(table: &Table) -> Arc<Self> {
-        let lease = "NOW(6) + INTERVAL ? MICROSECOND";
+        // UTC_TIMESTAMP, not NOW: DATETIME holds no time zone, and consumers whose sessions
+        // had different ones would read each other's leases hours off.
+        let lease = "UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND";
+        let micros = |column: &str| format!("TIMESTAMPDIFF(MICROSECOND, '1970-01-01', {column})");
         Arc::new(Statements {
             insert: format!(
-                "INSERT INTO {table} (message_key, status, payload_fingerprint, fencing_token, lease_until)
-                 VALUES (?, 'PROCESSING', ?, ?, {lease})"
+                "INSERT INTO {table}
+                     (message_key, status, payload_fingerprint, fencing_token, lease_until, created_at, updated_at)
+                 VALUES (?, 'PROCESSING', ?, ?, {lease}, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
             ),
             take_over: format!(
                 "UPDATE {table}
                  SET status = 'PROCESSING', retry_count = LAST_INSERT_ID(retry_count + 1),
-                     fencing_token = COALESCE(?, fencing_token), lease_until = {lease}, updated_at = NOW(6)
+                     fencing_token = COALESCE(?, fencing_token), lease_until = {lease},
+                     updated_at = UTC_TIMESTAMP(6)
                  WHERE message_key = ?
                    AND (payload_fingerprint = ? OR '{unchecked}' IN (payload_fingerprint, ?))
-                   AND (status = 'FAILURE' OR (status = 'PROCESSING' AND lease_until < NOW(6)))
+                   AND (status = 'FAILURE' OR (status = 'PROCESSING' AND lease_until < UTC_TIMESTAMP(6)))
                    AND (fencing_token IS NULL OR ? IS NULL OR ? >= fencing_token)",
                 unchecked = Fingerprint::UNCHECKED
             ),
             inspect: format!(
                 "SELECT status, payload_fingerprint,
-                        CAST(COALESCE(lease_until > NOW(6), 0) AS SIGNED), fencing_token
+                        CAST(COALESCE(lease_until > UTC_TIMESTAMP(6), 0) AS SIGNED), fencing_token
                  FROM {table} WHERE message_key = ?"
             ),
             settle: format!(
                 "UPDATE {table} SET status = ?, error_details = COALESCE(?, error_details),
-                        lease_until = NULL, updated_at = NOW(6)
+                        lease_until = NULL, updated_at = UTC_TIMESTAMP(6)
                  WHERE message_key = ? AND status = 'PROCESSING' AND retry_count = ?"
             ),
             get: format!(
-                "SELECT message_key, status, retry_count, error_details, payload_fingerprint,
-                        CAST(UNIX_TIMESTAMP(created_at) * 1000000 AS SIGNED),
-                        CAST(UNIX_TIMESTAMP(updated_at) * 1000000 AS SIGNED), fencing_token
-                 FROM {table} WHERE message_key = ?"
+                "SELECT message_key, status, retry_count, error_details, payload_fingerprint, {created}, {updated},
+                        fencing_token
+                 FROM {table} WHERE message_key = ?",
+                created = micros("created_at"),
+                updated = micros("updated_at"),
             ),
         })
     }
@@ -73,12 +86,15 @@ impl Statements {
 /// A three-step [`RecordStore`] on MySQL 8 or MariaDB, shared by every consumer process.
 ///
 /// A claim of a new key is one `INSERT`; of a key with a row, an `UPDATE` that takes it over
-/// when it may, else one read of what stopped it. Each runs in autocommit, so it holds its
-/// row lock only for its own statement: no gap locks, no deadlocks between concurrent copies
-/// of one key. Leases run on the server's clock.
+/// when it may, else one read of what stopped it. Each runs in autocommit, so what it locks
+/// (the row, or under REPEATABLE READ the index range a duplicate `INSERT` checks) is held
+/// for that one statement only. Leases and timestamps run on the server's clock, in UTC
+/// whatever the session's time zone.
 ///
-/// Limits: business keys up to 1,024 bytes (the route's default limit of 256 characters
-/// fits); no claim coalescing and no transactional mode yet (those are PostgreSQL's only).
+/// Limits: business keys up to [`MAX_KEY_BYTES`] (the route's default limit of 256 bytes
+/// fits): a longer one is refused with a [`StoreError`], never cut, since a cut key could
+/// be another key. Error texts are kept up to 16 KiB. No claim coalescing and no
+/// transactional mode yet (those are PostgreSQL's only).
 #[derive(Clone)]
 pub struct MysqlRecordStore {
     pool: MySqlPool,
@@ -159,6 +175,12 @@ impl RecordStore for MysqlRecordStore {
         lease: Duration,
         fencing_token: Option<u64>,
     ) -> Result<Begin, StoreError> {
+        if key.as_str().len() > MAX_KEY_BYTES {
+            return Err(StoreError::new(format!(
+                "a key of {} bytes: the MySQL record keeps keys up to {MAX_KEY_BYTES}",
+                key.as_str().len()
+            )));
+        }
         let (fingerprint_hex, fence) = (fingerprint.to_string(), fencing_token.map(to_i64));
         let lease = to_i64(u64::try_from(lease.as_micros()).unwrap_or(u64::MAX));
         let inserted = sqlx::query(&self.statements.insert)
@@ -199,6 +221,10 @@ impl RecordStore for MysqlRecordStore {
     }
 
     async fn fail(&self, key: &BusinessKey, attempt: u32, error: &str) -> Result<bool, StoreError> {
+        let error = match error.char_indices().nth(MAX_ERROR_CHARS) {
+            Some((end, _)) => &error[..end],
+            None => error,
+        };
         self.settle(key, attempt, RecordStatus::Failure, Some(error))
             .await
     }

@@ -37,9 +37,11 @@ impl MysqlStateStore {
         MysqlStateStore {
             statements: Arc::new(StateStatements {
                 current: format!("SELECT status FROM {table} WHERE entity_id = ?"),
-                insert: format!("INSERT INTO {table} (entity_id, status) VALUES (?, ?)"),
+                insert: format!(
+                    "INSERT INTO {table} (entity_id, status, updated_at) VALUES (?, ?, UTC_TIMESTAMP(6))"
+                ),
                 update: format!(
-                    "UPDATE {table} SET status = ?, version = version + 1, updated_at = NOW(6)
+                    "UPDATE {table} SET status = ?, version = version + 1, updated_at = UTC_TIMESTAMP(6)
                      WHERE entity_id = ? AND status = ?"
                 ),
             }),

@@ -1,4 +1,5 @@
--- oncely's consumption record on MySQL 8 / MariaDB 10.6+ (InnoDB). Applied by
+-- oncely's consumption record on MySQL 8 / MariaDB 10.6+ (InnoDB; the unique index on a
+-- 1,024-byte key needs the DYNAMIC row format, the default since MySQL 5.7 / MariaDB 10.2). Applied by
 -- oncely::mysql::migrate, which substitutes the validated, quoted {table} name; one
 -- statement, idempotent, safe when several consumers start at once.
 CREATE TABLE IF NOT EXISTS {table} (
@@ -15,7 +16,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     payload_fingerprint CHAR(32) CHARACTER SET ascii NOT NULL,
     -- The lock's fencing token of the attempt that last wrote the row, if a lock ran.
     fencing_token       BIGINT NULL,
-    -- Until when a PROCESSING attempt holds the key (three-step mode), on the server's clock.
+    -- Until when a PROCESSING attempt holds the key (three-step mode), on the server's clock
+    -- in UTC (the store writes UTC_TIMESTAMP; the defaults below are for rows others write).
     lease_until         DATETIME(6) NULL,
     created_at          DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     updated_at          DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
@@ -24,5 +26,6 @@ CREATE TABLE IF NOT EXISTS {table} (
     -- (old SUCCESS rows).
     KEY status_lease (status, lease_until),
     KEY status_updated (status, updated_at),
-    CONSTRAINT known_status CHECK (status IN ('PROCESSING', 'SUCCESS', 'FAILURE'))
-) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4
+    -- Unnamed: MySQL 8 wants a constraint's name unique in the whole database.
+    CHECK (status IN ('PROCESSING', 'SUCCESS', 'FAILURE'))
+) ENGINE = InnoDB ROW_FORMAT = DYNAMIC DEFAULT CHARSET = utf8mb4

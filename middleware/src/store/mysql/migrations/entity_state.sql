@@ -7,4 +7,4 @@ CREATE TABLE IF NOT EXISTS {table} (
     -- Incremented by every transition, for compare-and-swap by version.
     version    BIGINT NOT NULL DEFAULT 1,
     updated_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
-) ENGINE = InnoDB
+) ENGINE = InnoDB ROW_FORMAT = DYNAMIC
