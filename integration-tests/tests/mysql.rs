@@ -1,13 +1,21 @@
 //! The MySQL / MariaDB store against a real server (`MYSQL_URL`; `services.sh mariadb`
 //! starts or installs MariaDB): the record and state store suites, the
-//! migration run by many consumers at once, and keys compared byte for byte. Each test has
-//! a database of its own.
+//! migration run by many consumers at once, keys compared byte for byte, leases across time
+//! zones, and a RabbitMQ consumer with its record on MariaDB. Each test has a database of
+//! its own.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use integration_tests::amqp::{Broker, ready_messages, start_runner, topology_with_orders};
 use integration_tests::mysql::{pool_on, scratch_database};
+use integration_tests::unique;
 use oncely::mysql::{Table, migrate, migrate_state};
-use oncely::record::{Begin, MysqlRecordStore, RecordStore};
+use oncely::record::{Begin, MysqlRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::state_guard::MysqlStateStore;
-use oncely::{BusinessKey, Fingerprint};
+use oncely::{BusinessKey, Envelope, Fingerprint, HandlerError, KeyExtractor, Route, handler_fn};
+use oncely_amqp::{Producer, Runner};
 
 fn table() -> Table {
     Table::new("consumption_record").expect("a valid name")
@@ -102,4 +110,70 @@ async fn leases_hold_across_consumers_in_different_time_zones() {
             "the lease still runs"
         );
     }
+}
+
+/// The path a user runs: RabbitMQ delivers orders, a third of them twice (the same id or a
+/// new one), to a runner whose route has the record tier on MariaDB — each order's effect
+/// once, every record `SUCCESS`, the copies answered as duplicates, nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once() {
+    const ORDERS: usize = 300;
+    let broker = Broker::Rabbit3;
+    let records = store().await;
+    let (topology, channel) = topology_with_orders(broker, "mysql-record", &[]).await;
+    let producer = Producer::new(broker.connect().await);
+    let body = |order: usize| format!(r#"{{"orderId":"o-{order}"}}"#).into_bytes();
+    let mut copies = 0;
+    for order in 0..ORDERS {
+        let id = producer
+            .publish("", topology.queue(), &body(order), None)
+            .await
+            .unwrap();
+        if order % 3 == 0 {
+            let again = match order % 2 {
+                0 => {
+                    producer
+                        .publish_with_id(&id, "", topology.queue(), &body(order), None)
+                        .await
+                }
+                _ => producer
+                    .publish("", topology.queue(), &body(order), None)
+                    .await
+                    .map(drop),
+            };
+            again.unwrap();
+            copies += 1;
+        }
+    }
+    let effects = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
+    let applied = effects.clone();
+    let handler = handler_fn(move |envelope: Envelope| {
+        *applied
+            .lock()
+            .unwrap()
+            .entry(envelope.key().to_string())
+            .or_default() += 1;
+        async { Ok::<(), HandlerError>(()) }
+    });
+    let stack = tower::Layer::layer(&RecordLayer::new(records.clone()), handler);
+    let route = Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), stack);
+    let runner = Runner::new(route, topology.clone()).with_drain(Duration::from_millis(500));
+    let (_, running) = start_runner(runner, broker.address(), &unique("oncely-test-mysql"));
+    let report = tokio::time::timeout(Duration::from_secs(120), running)
+        .await
+        .expect("drained within two minutes")
+        .unwrap()
+        .unwrap();
+    let effects = effects.lock().unwrap().clone();
+    assert_eq!(effects.len(), ORDERS, "{report}");
+    assert!(effects.values().all(|count| *count == 1), "{report}");
+    assert_eq!(report.processed, ORDERS as u64, "{report}");
+    assert_eq!(report.duplicates.values().sum::<u64>(), copies, "{report}");
+    for order in 0..ORDERS {
+        let key = BusinessKey::new(format!("o-{order}"));
+        let record = records.get(&key).await.unwrap().expect("a record");
+        assert_eq!(record.status, RecordStatus::Success, "o-{order}");
+    }
+    assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
+    topology.delete(&channel).await.unwrap();
 }
