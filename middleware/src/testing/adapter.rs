@@ -553,13 +553,21 @@ pub async fn a_message_that_kills_its_consumer_every_time_is_dead_lettered_at_th
     let runs = Runs::default();
     let interrupts = Interrupts::new();
     let (counted, crash) = (runs.clone(), interrupts.clone());
-    // The others are slow at their first run, so that the first crash catches them running.
+    // The others are slow at their first run, and the poison message's first run waits (a
+    // few seconds at most) until one of them runs, so that its crash catches them running.
     let handler = handler_fn(move |envelope: Envelope| {
         let first = counted.record(envelope.key().as_str(), envelope.delivery().attempt()) == 1;
         let poison = envelope.key().as_str() == "poison";
-        let (crash, started) = (crash.clone(), crash.count());
+        let (crash, started, others) = (crash.clone(), crash.count(), counted.clone());
         async move {
             if poison {
+                let running = || others.attempts().keys().any(|key| key != "poison");
+                for _ in 0..100 {
+                    if !first || running() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 crash.interrupt();
                 std::future::pending::<()>().await;
             }
