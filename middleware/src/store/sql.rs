@@ -69,6 +69,11 @@ pub(crate) fn parse_fingerprint(hex: &str) -> Result<Fingerprint, StoreError> {
         .map_err(|_| StoreError::malformed(format!("malformed payload fingerprint {hex:?}")))
 }
 
+/// The `retry_count` column of `attempt` (attempt = retry_count + 1), saturating.
+pub(crate) fn retry_count(attempt: u32) -> i32 {
+    i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX)
+}
+
 /// SQL has no unsigned 64-bit integer that both stores share; fencing tokens and leases
 /// beyond `i64::MAX` saturate, which keeps their order.
 pub(crate) fn to_i64(value: u64) -> i64 {

@@ -147,7 +147,7 @@ impl MysqlRecordStore {
         status: RecordStatus,
         error: Option<&str>,
     ) -> Result<bool, StoreError> {
-        let retry_count = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
+        let retry_count = crate::store::sql::retry_count(attempt);
         let settled = sqlx::query(&self.statements.settle)
             .bind(status.as_str())
             .bind(error)

@@ -92,7 +92,7 @@ impl PgRecordStore {
         status: RecordStatus,
         error: Option<&str>,
     ) -> Result<bool, StoreError> {
-        let retry_count = i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
+        let retry_count = crate::store::sql::retry_count(attempt);
         Checkout::run(&self.pool, async |client| {
             let statement = client.prepare_cached(&self.statements.settle).await?;
             let changed = client
