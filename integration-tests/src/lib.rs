@@ -4,6 +4,7 @@
 pub mod amqp;
 pub mod amqp_tap;
 pub mod chaos_stack;
+pub mod commit_thief;
 pub mod dead_letter;
 pub mod harness;
 pub mod mysql;

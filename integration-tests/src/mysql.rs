@@ -3,6 +3,13 @@
 
 use oncely::mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use oncely::mysql::sqlx::{self, MySqlPool};
+use oncely::mysql::{Table, migrate};
+
+use crate::commit_thief::{CommitAnswerThief, CommitOnTheWire};
+
+fn options() -> MySqlConnectOptions {
+    mysql_url().parse().expect("a valid MYSQL_URL")
+}
 
 /// The MySQL or MariaDB the tests use: `MYSQL_URL`, or `mysql://root@127.0.0.1:3306/test`.
 pub fn mysql_url() -> String {
@@ -12,6 +19,12 @@ pub fn mysql_url() -> String {
 /// A database no other test uses (`oncely_test_…`, left behind: its name is unique, so
 /// reruns do not see each other's rows), and a pool of up to `size` connections to it.
 pub async fn scratch_database(size: u32) -> MySqlPool {
+    let name = create_scratch_database().await;
+    pool_on(&name, size, None).await
+}
+
+/// Creates a database no other test uses and answers its name.
+async fn create_scratch_database() -> String {
     let admin: MySqlConnectOptions = mysql_url().parse().expect("a valid MYSQL_URL");
     let name = format!("oncely_test_{}", oncely::Token::random());
     let admin = MySqlPool::connect_with(admin).await.unwrap_or_else(|error| {
@@ -22,20 +35,110 @@ pub async fn scratch_database(size: u32) -> MySqlPool {
         .await
         .expect("create the test's database");
     admin.close().await;
-    pool_on(&name, size, None).await
+    name
 }
 
 /// A pool of up to `size` connections to `database` on `MYSQL_URL`, in the session time zone
 /// `time_zone` (sqlx's default, UTC, if none).
 pub async fn pool_on(database: &str, size: u32, time_zone: Option<&str>) -> MySqlPool {
-    let options: MySqlConnectOptions = mysql_url().parse().expect("a valid MYSQL_URL");
+    let options = options().database(database);
     let options = match time_zone {
         Some(zone) => options.timezone(Some(zone.to_owned())),
         None => options,
     };
     MySqlPoolOptions::new()
         .max_connections(size)
-        .connect_with(options.database(database))
+        .connect_with(options)
         .await
         .expect("a pool on the test's database")
+}
+
+/// A database of one test's own with oncely's record table (`consumption_record`) and a
+/// business table, `stock_moves (order_id VARCHAR(64) PRIMARY KEY)`: one row per effect,
+/// so a second effect of one order is a unique violation.
+#[derive(Clone, Debug)]
+pub struct StockDatabase {
+    /// Its name.
+    pub name: String,
+    /// A pool on it, for the tests' own reads.
+    pub pool: MySqlPool,
+}
+
+impl StockDatabase {
+    /// Creates the database and its two tables.
+    pub async fn new() -> Self {
+        let name = create_scratch_database().await;
+        let pool = pool_on(&name, 4, None).await;
+        migrate(&pool, &Self::records())
+            .await
+            .expect("migrate the record table");
+        sqlx::raw_sql("CREATE TABLE stock_moves (order_id VARCHAR(64) NOT NULL PRIMARY KEY) ENGINE = InnoDB")
+            .execute(&pool)
+            .await
+            .expect("create the business table");
+        StockDatabase { name, pool }
+    }
+
+    /// The record table.
+    pub fn records() -> Table {
+        Table::new("consumption_record").expect("a valid name")
+    }
+
+    /// A pool of up to `size` connections to the database.
+    pub async fn pool(&self, size: u32) -> MySqlPool {
+        pool_on(&self.name, size, None).await
+    }
+
+    /// A pool of up to `size` connections to the database through `thief`.
+    pub async fn pool_through(&self, thief: &CommitAnswerThief, size: u32) -> MySqlPool {
+        let options = options()
+            .host("127.0.0.1")
+            .port(thief.port())
+            .database(&self.name);
+        MySqlPoolOptions::new()
+            .max_connections(size)
+            .connect_with(options)
+            .await
+            .expect("a pool through the proxy")
+    }
+
+    /// How many stock moves `order` has.
+    pub async fn moves_of(&self, order: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM stock_moves WHERE order_id = ?")
+            .bind(order)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count the moves")
+    }
+
+    /// How many stock moves there are in all.
+    pub async fn all_moves(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM stock_moves")
+            .fetch_one(&self.pool)
+            .await
+            .expect("count the moves")
+    }
+
+    /// The status of `key`'s record, if it has one.
+    pub async fn status_of(&self, key: &str) -> Option<String> {
+        sqlx::query_scalar("SELECT status FROM consumption_record WHERE message_key = ?")
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .expect("read the record")
+    }
+}
+
+impl CommitAnswerThief {
+    /// Starts the proxy in front of `MYSQL_URL`'s server; it loses the answer to the tier's
+    /// `XA COMMIT`.
+    pub async fn start_mysql() -> Self {
+        let options = options();
+        let server = format!("{}:{}", options.get_host(), options.get_port());
+        let commit = CommitOnTheWire {
+            sent: b"XA COMMIT",
+            answered: None,
+        };
+        CommitAnswerThief::relaying(server, commit).await
+    }
 }

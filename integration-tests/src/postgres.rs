@@ -1,18 +1,15 @@
 //! PostgreSQL for the tests: pools on `DATABASE_URL`, and a schema of each test's own.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
 use deadpool_postgres::tokio_postgres::config::Host;
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use oncely::postgres::Table;
 use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer, TransactionSafe};
 use oncely::{BoxError, BusinessKey, Envelope, HandlerError, Outcome};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceExt};
+
+pub use crate::commit_thief::{CommitAnswerThief, CommitOnTheWire};
 
 /// The PostgreSQL the tests use: `DATABASE_URL`, or `postgres://postgres@127.0.0.1:5432/test`.
 pub fn database_url() -> String {
@@ -218,52 +215,20 @@ where
     BoxCloneSyncService::new(stack.map_err(Into::into))
 }
 
-/// A TCP proxy in front of `DATABASE_URL`'s server that can lose the answer to a commit:
-/// once [armed](CommitAnswerThief::arm), the next connection whose client sends a `COMMIT`
-/// gets cut off as soon as the server's answer says `COMMIT` — the server committed, the
-/// client never hears it, as when a network path or the client's host fails at that moment.
-#[derive(Debug)]
-pub struct CommitAnswerThief {
-    port: u16,
-    armed: Arc<AtomicBool>,
-    stolen: Arc<AtomicUsize>,
-}
-
 impl CommitAnswerThief {
-    /// Starts the proxy on a free loopback port, on the current runtime.
+    /// Starts the proxy in front of `DATABASE_URL`'s server.
     pub async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("a free port");
-        let port = listener.local_addr().expect("the port").port();
         let config: Config = database_url().parse().expect("a valid DATABASE_URL");
         let server = match (config.get_hosts().first(), config.get_ports().first()) {
             (Some(Host::Tcp(host)), port) => format!("{host}:{}", port.copied().unwrap_or(5432)),
             _ => panic!("the proxy needs DATABASE_URL to name a TCP host"),
         };
-        let (armed, stolen) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
-        let thief = CommitAnswerThief {
-            port,
-            armed: armed.clone(),
-            stolen: stolen.clone(),
+        // The command tag the server sends once the commit is durable.
+        let commit = CommitOnTheWire {
+            sent: b"COMMIT",
+            answered: Some(b"COMMIT\0"),
         };
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let server = tokio::net::TcpStream::connect(&server).await.expect("PostgreSQL");
-                tokio::spawn(relay(client, server, armed.clone(), stolen.clone()));
-            }
-        });
-        thief
-    }
-
-    /// The next `COMMIT` sent through the proxy loses its answer.
-    pub fn arm(&self) {
-        self.armed.store(true, Ordering::SeqCst);
-    }
-
-    /// How many commit answers were lost so far.
-    pub fn stolen(&self) -> usize {
-        self.stolen.load(Ordering::SeqCst)
+        CommitAnswerThief::relaying(server, commit).await
     }
 
     /// A pool of `size` connections through the proxy that search `schema` first.
@@ -273,7 +238,7 @@ impl CommitAnswerThief {
         let mut config = Config::new();
         config
             .host("127.0.0.1")
-            .port(self.port)
+            .port(self.port())
             .options(format!("-csearch_path={schema}"));
         if let Some(user) = server.get_user() {
             config.user(user);
@@ -286,57 +251,4 @@ impl CommitAnswerThief {
         }
         pool_with(config, size)
     }
-}
-
-/// Copies bytes both ways; see [`CommitAnswerThief`].
-async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>, stolen: Arc<AtomicUsize>) {
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let marked = Arc::new(AtomicBool::new(false));
-    let to_server = {
-        let marked = marked.clone();
-        async move {
-            let mut buffer = vec![0; 64 * 1024];
-            loop {
-                let read = match client_read.read(&mut buffer).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(read) => read,
-                };
-                let chunk = &buffer[..read];
-                if contains(chunk, b"COMMIT") && armed.swap(false, Ordering::SeqCst) {
-                    marked.store(true, Ordering::SeqCst);
-                }
-                if server_write.write_all(chunk).await.is_err() {
-                    return;
-                }
-            }
-        }
-    };
-    let to_client = async move {
-        let mut buffer = vec![0; 64 * 1024];
-        loop {
-            let read = match server_read.read(&mut buffer).await {
-                Ok(0) | Err(_) => return,
-                Ok(read) => read,
-            };
-            let chunk = &buffer[..read];
-            // The command tag the server sends once the commit is durable.
-            if marked.load(Ordering::SeqCst) && contains(chunk, b"COMMIT\0") {
-                stolen.fetch_add(1, Ordering::SeqCst);
-                return;
-            }
-            if client_write.write_all(chunk).await.is_err() {
-                return;
-            }
-        }
-    };
-    // Whichever direction ends first ends both: the client sees its connection close.
-    tokio::select! {
-        () = to_server => {}
-        () = to_client => {}
-    }
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|window| window == needle)
 }

@@ -255,6 +255,8 @@ impl Classify for BoxError {
         as_one_of!(serde_json::Error, crate::Error);
         #[cfg(feature = "postgres")]
         as_one_of!(deadpool_postgres::tokio_postgres::Error);
+        #[cfg(feature = "mysql")]
+        as_one_of!(sqlx::Error);
         ErrorClass::Transient
     }
 }
@@ -287,6 +289,20 @@ impl Classify for deadpool_postgres::tokio_postgres::Error {
             ErrorClass::Permanent
         } else {
             ErrorClass::Transient
+        }
+    }
+}
+
+/// A statement the server refused for its data (SQLSTATE class 22: a value out of range, too
+/// long, not a number) fails the same way every time; anything else may pass later.
+#[cfg(feature = "mysql")]
+impl Classify for sqlx::Error {
+    fn class(&self) -> ErrorClass {
+        match self {
+            sqlx::Error::Database(error) if error.code().is_some_and(|code| code.starts_with("22")) => {
+                ErrorClass::Permanent
+            }
+            _ => ErrorClass::Transient,
         }
     }
 }

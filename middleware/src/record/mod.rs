@@ -35,14 +35,18 @@ mod store;
 #[cfg(feature = "memory")]
 pub use crate::store::memory::record::MemoryRecordStore;
 #[cfg(feature = "mysql")]
-pub use crate::store::mysql::record::{MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES, MysqlRecordStore};
+pub use crate::store::mysql::claims::MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES;
+#[cfg(feature = "mysql")]
+pub use crate::store::mysql::record::{MysqlRecordStore, MysqlTransactionalLayer, MysqlTransactionalTicket};
+#[cfg(feature = "mysql")]
+pub use crate::store::mysql::transaction::MysqlTransaction;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
     BatchAnswer, BatchHandler, EffectCheck, PgBatchHandlerService, PgBatchedLayer, PgBatchedService,
     PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalTicket, ReconcileReport, Reconciler,
 };
 pub use decision::RecordTicket;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use decision::fencing_token;
 pub use layer::RecordLayer;
 pub use safe::{AssertTransactionSafe, TransactionSafe};

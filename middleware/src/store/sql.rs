@@ -2,9 +2,32 @@
 //! that finds a row it may not take answers. Each SQL store (`postgres/`, `mysql/`) keeps
 //! its own statements and plumbing and calls these.
 
+use std::time::Duration;
+
+use crate::envelope::{BusinessKey, Envelope};
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Begin, RecordStatus};
+use crate::record::{Begin, RecordStatus, fencing_token};
+
+/// One key to claim.
+#[derive(Clone, Debug)]
+pub(crate) struct ClaimRequest {
+    pub(crate) key: BusinessKey,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) fencing_token: Option<u64>,
+    /// `None`: no lease (the transactional mode's rows are never `PROCESSING`).
+    pub(crate) lease: Option<Duration>,
+}
+
+/// What a transactional record tier claims for `envelope`: its key, with no lease.
+pub(crate) fn claim_request(envelope: &Envelope) -> ClaimRequest {
+    ClaimRequest {
+        key: envelope.key().clone(),
+        fingerprint: envelope.fingerprint(),
+        fencing_token: fencing_token(envelope),
+        lease: None,
+    }
+}
 
 /// A record row as a claim finds it.
 #[derive(Clone, Copy, Debug)]

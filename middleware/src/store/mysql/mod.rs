@@ -1,12 +1,14 @@
-//! The MySQL and MariaDB store, on sqlx's driver: the record tier's three-step store, the
-//! state guard's store, their table names and migrations. What it shares with PostgreSQL (how a claim that finds a row
+//! The MySQL and MariaDB store, on sqlx's driver: the record tier's three-step store and
+//! transactional tier, the state guard's store, their table names and migrations. What it shares with PostgreSQL (how a claim that finds a row
 //! answers, how rows read back) is in `store/sql.rs`.
 //!
 //! Every value goes to the server as a bound parameter; the table name cannot be one, so it
 //! is validated ([`Table`]) and quoted before it is put into SQL.
 
+pub(crate) mod claims;
 pub(crate) mod record;
 pub(crate) mod state;
+pub(crate) mod transaction;
 
 use std::fmt;
 
@@ -16,6 +18,19 @@ use crate::error::{ConfigError, StoreError};
 
 const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
 const ENTITY_STATE: &str = include_str!("migrations/entity_state.sql");
+
+/// True when `error` is the server ending a transaction, or a statement, to let another
+/// one through: a deadlock victim (1213), a lock wait timeout (1205), and an XA branch
+/// rolled back for either (XA_RBDEADLOCK 1614, XA_RBTIMEOUT 1613, XA_RBROLLBACK 1402).
+/// Nothing is wrong with the store, and the same work a moment later passes.
+pub(crate) fn lost_to_another_transaction(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(error) = error else {
+        return false;
+    };
+    error
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some_and(|error| matches!(error.number(), 1213 | 1205 | 1614 | 1613 | 1402))
+}
 
 /// A table in the connection's database: 1 to 64 lowercase ASCII letters, digits and
 /// underscores, not starting with a digit. Shown back-quoted, ready for SQL.

@@ -3,7 +3,7 @@
 //! reads. Whoever changes the table's meaning changes it here.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use deadpool_postgres::tokio_postgres::Row;
 
@@ -12,7 +12,7 @@ use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus};
-pub(crate) use crate::store::sql::to_i64;
+pub(crate) use crate::store::sql::{ClaimRequest, to_i64};
 use crate::store::sql::{FoundRecord, parse_fingerprint, parse_status, refused_claim};
 
 /// The SQL text of every statement, with the table name filled in.
@@ -108,16 +108,6 @@ impl Statements {
             ),
         })
     }
-}
-
-/// One key to claim.
-#[derive(Clone, Debug)]
-pub(crate) struct ClaimRequest {
-    pub(crate) key: BusinessKey,
-    pub(crate) fingerprint: Fingerprint,
-    pub(crate) fencing_token: Option<u64>,
-    /// `None`: no lease (the transactional mode's rows are never `PROCESSING`).
-    pub(crate) lease: Option<Duration>,
 }
 
 /// The answers of a [`claim_batch`], in the order of its requests, and the id of the

@@ -13,10 +13,10 @@ use crate::error::StoreError;
 use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::TransactionSafe;
-use crate::record::fencing_token;
 use crate::record::{Begin, RecordStatus};
 use crate::store::postgres::claims::{ClaimRequest, Claimed, Statements, claim_batch, to_i64};
 use crate::store::postgres::{Checkout, Table};
+pub(super) use crate::store::sql::claim_request;
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
 /// Makes the session read-only outside the tier's transaction until the connection is
@@ -396,16 +396,6 @@ impl PgTransactionalLayer {
         if let Err(failure) = noted.await {
             tracing::warn!(key = %request.key, %failure, "could not note the failed attempt");
         }
-    }
-}
-
-/// What the tier claims for `envelope`: its key as `SUCCESS`, with no lease.
-pub(super) fn claim_request(envelope: &Envelope) -> ClaimRequest {
-    ClaimRequest {
-        key: envelope.key().clone(),
-        fingerprint: envelope.fingerprint(),
-        fencing_token: fencing_token(envelope),
-        lease: None,
     }
 }
 

@@ -1,0 +1,239 @@
+//! Every statement on the MySQL record table, rendered once per table, and the claim both
+//! record modes run: the three-step store in autocommit, the transactional tier inside its
+//! transaction. Whoever changes the table's meaning changes it here.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use sqlx::mysql::MySqlRow;
+use sqlx::{MySqlConnection, Row};
+
+use super::Table;
+use crate::envelope::BusinessKey;
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::record::{Begin, ConsumptionRecord, RecordStatus};
+use crate::store::sql::{ClaimRequest, FoundRecord, parse_fingerprint, parse_status, refused_claim, to_i64};
+
+/// The longest business key the record table holds (`VARBINARY(1024)`), in bytes.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+/// How much of a failure's text is kept: `TEXT` holds 64 KiB, and 4-byte characters fill
+/// it at 16 Ki.
+const MAX_ERROR_CHARS: usize = 16 * 1024;
+
+/// Every statement on the record table, with its name filled in.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    /// A new key: attempt 1. `?` key, status, fingerprint, fencing token, lease (µs, NULL:
+    /// none).
+    insert: String,
+    /// Takes over a `FAILURE` row, or a `PROCESSING` one past its lease, with the same payload
+    /// and a fencing token no older; `LAST_INSERT_ID(…)` hands the new retry count back in the
+    /// statement's own answer, so no second read can see another attempt's. `?` status,
+    /// fencing token, lease (µs), key, fingerprint ×2, fencing token ×2.
+    take_over: String,
+    /// What stopped a claim: status, fingerprint, lease running, fencing token. `?` key.
+    inspect: String,
+    /// Settles a three-step attempt. `?` status, error, key, retry count.
+    pub(crate) settle: String,
+    /// Notes a rolled-back transactional attempt: a `FAILURE` row with the error text and one
+    /// more retry; never touches a row in another status or with another fingerprint. `?`
+    /// key, fingerprint, fencing token, error, then the fingerprint ×2 and the error again
+    /// for the row that exists.
+    pub(crate) note_failure: String,
+    /// One key's record. `?` key.
+    pub(crate) get: String,
+}
+
+impl Statements {
+    pub(crate) fn new(table: &Table) -> Arc<Self> {
+        // UTC_TIMESTAMP, not NOW: DATETIME holds no time zone, and consumers whose sessions
+        // had different ones would read each other's leases hours off.
+        let lease = "UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND";
+        let micros = |column: &str| format!("TIMESTAMPDIFF(MICROSECOND, '1970-01-01', {column})");
+        // A fingerprint of a route whose check is off matches any other (`Fingerprint::matches`).
+        let same_payload = format!(
+            "(payload_fingerprint = ? OR '{unchecked}' IN (payload_fingerprint, ?))",
+            unchecked = Fingerprint::UNCHECKED
+        );
+        Arc::new(Statements {
+            insert: format!(
+                "INSERT INTO {table}
+                     (message_key, status, payload_fingerprint, fencing_token, lease_until, created_at, updated_at)
+                 VALUES (?, ?, ?, ?, {lease}, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+            ),
+            take_over: format!(
+                "UPDATE {table}
+                 SET status = ?, retry_count = LAST_INSERT_ID(retry_count + 1),
+                     fencing_token = COALESCE(?, fencing_token), lease_until = {lease},
+                     updated_at = UTC_TIMESTAMP(6)
+                 WHERE message_key = ? AND {same_payload}
+                   AND (status = 'FAILURE' OR (status = 'PROCESSING' AND lease_until < UTC_TIMESTAMP(6)))
+                   AND (fencing_token IS NULL OR ? IS NULL OR ? >= fencing_token)"
+            ),
+            inspect: format!(
+                "SELECT status, payload_fingerprint,
+                        CAST(COALESCE(lease_until > UTC_TIMESTAMP(6), 0) AS SIGNED), fencing_token
+                 FROM {table} WHERE message_key = ?"
+            ),
+            settle: format!(
+                "UPDATE {table} SET status = ?, error_details = COALESCE(?, error_details),
+                        lease_until = NULL, updated_at = UTC_TIMESTAMP(6)
+                 WHERE message_key = ? AND status = 'PROCESSING' AND retry_count = ?"
+            ),
+            // The assignments only touch columns the condition does not read: MySQL applies
+            // them left to right, each seeing the ones before.
+            note_failure: format!(
+                "INSERT INTO {table}
+                     (message_key, status, payload_fingerprint, fencing_token, error_details, created_at, updated_at)
+                 VALUES (?, 'FAILURE', ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
+                 ON DUPLICATE KEY UPDATE
+                     retry_count = IF(status = 'FAILURE' AND {same_payload}, retry_count + 1, retry_count),
+                     error_details = IF(status = 'FAILURE' AND {same_payload}, ?, error_details),
+                     updated_at = IF(status = 'FAILURE' AND {same_payload}, UTC_TIMESTAMP(6), updated_at)"
+            ),
+            get: format!(
+                "SELECT message_key, status, retry_count, error_details, payload_fingerprint, {created}, {updated},
+                        fencing_token
+                 FROM {table} WHERE message_key = ?",
+                created = micros("created_at"),
+                updated = micros("updated_at"),
+            ),
+        })
+    }
+}
+
+/// Refuses a key the table cannot hold: a cut key could be another key.
+pub(crate) fn check_key_len(key: &BusinessKey) -> Result<(), StoreError> {
+    match key.as_str().len() {
+        ..=MAX_KEY_BYTES => Ok(()),
+        len => Err(StoreError::new(format!(
+            "a key of {len} bytes: the MySQL record keeps keys up to {MAX_KEY_BYTES}"
+        ))),
+    }
+}
+
+/// `error` cut to what the table keeps.
+pub(crate) fn kept_error(error: &str) -> &str {
+    match error.char_indices().nth(MAX_ERROR_CHARS) {
+        Some((end, _)) => &error[..end],
+        None => error,
+    }
+}
+
+/// Claims `request`'s key with `status` on `connection`: one `INSERT` for a new key; for a
+/// key with a row, one read of it, and an `UPDATE` that takes it over when it may. Each statement locks what it touches for as long as the connection's transaction
+/// runs — one statement in autocommit; in the transactional tier, until it ends. An
+/// `INSERT` that finds the key taken by an open transaction waits for it (the unique index),
+/// as on PostgreSQL.
+pub(crate) async fn claim(
+    connection: &mut MySqlConnection,
+    statements: &Statements,
+    request: &ClaimRequest,
+    status: RecordStatus,
+) -> Result<Begin, StoreError> {
+    check_key_len(&request.key)?;
+    let inserted = sqlx::query(&statements.insert)
+        .bind(request.key.as_str())
+        .bind(status.as_str())
+        .bind(request.fingerprint.to_string())
+        .bind(request.fencing_token.map(to_i64))
+        .bind(lease_micros(request))
+        .execute(&mut *connection)
+        .await;
+    match inserted {
+        Ok(_) => return Ok(Begin::Started { attempt: 1 }),
+        Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {}
+        Err(error) => return Err(error.into()),
+    }
+    // Read before taking over: the failed INSERT holds a shared lock on the key's index
+    // record until the transaction ends, and copies that all hold it and all ask for the
+    // exclusive one (the UPDATE) deadlock. A key already done, leased, fenced or another
+    // payload's needs no exclusive lock to be answered; only a takeover asks for it.
+    match inspect(connection, statements, request).await? {
+        Some(refused) => Ok(refused),
+        None => take_over(connection, statements, request, status).await,
+    }
+}
+
+/// What stops a claim of the key's row, or `None` when the claim may take it over. A row
+/// gone (a purge deleted it in between) answers [`Begin::InProgress`]: the retry sees
+/// where it stands.
+async fn inspect(
+    connection: &mut MySqlConnection,
+    statements: &Statements,
+    request: &ClaimRequest,
+) -> Result<Option<Begin>, StoreError> {
+    let row = sqlx::query(&statements.inspect)
+        .bind(request.key.as_str())
+        .fetch_optional(&mut *connection)
+        .await?;
+    let Some(row) = row else {
+        return Ok(Some(Begin::InProgress));
+    };
+    let found = FoundRecord {
+        status: parse_status(row.try_get(0)?)?,
+        fingerprint: parse_fingerprint(row.try_get(1)?)?,
+        leased: row.try_get::<i64, _>(2)? != 0,
+        fencing_token: row.try_get(3)?,
+    };
+    Ok(refused_claim(&found, request.fingerprint, request.fencing_token))
+}
+
+/// Takes the key's row over with `status`, if it still may be: another claim may have
+/// taken it since it was read, and then this one waits (answers
+/// [`Begin::InProgress`]).
+async fn take_over(
+    connection: &mut MySqlConnection,
+    statements: &Statements,
+    request: &ClaimRequest,
+    status: RecordStatus,
+) -> Result<Begin, StoreError> {
+    let fingerprint = request.fingerprint.to_string();
+    let fence = request.fencing_token.map(to_i64);
+    let taken = sqlx::query(&statements.take_over)
+        .bind(status.as_str())
+        .bind(fence)
+        .bind(lease_micros(request))
+        .bind(request.key.as_str())
+        .bind(&fingerprint)
+        .bind(&fingerprint)
+        .bind(fence)
+        .bind(fence)
+        .execute(&mut *connection)
+        .await?;
+    if taken.rows_affected() != 1 {
+        return Ok(Begin::InProgress);
+    }
+    let retry_count = u32::try_from(taken.last_insert_id()).unwrap_or(u32::MAX - 1);
+    Ok(Begin::Started {
+        attempt: retry_count + 1,
+    })
+}
+
+/// The claim's lease in microseconds, saturating; `None`: no lease.
+fn lease_micros(request: &ClaimRequest) -> Option<i64> {
+    request
+        .lease
+        .map(|lease| to_i64(u64::try_from(lease.as_micros()).unwrap_or(u64::MAX)))
+}
+
+/// One key's record as the table holds it.
+pub(crate) fn read_record(row: &MySqlRow) -> Result<ConsumptionRecord, StoreError> {
+    let key: Vec<u8> = row.try_get(0)?;
+    let key = String::from_utf8(key).map_err(|_| StoreError::malformed("a record key that is not UTF-8"))?;
+    let retry_count: i32 = row.try_get(2)?;
+    let at = |micros: i64| SystemTime::UNIX_EPOCH + Duration::from_micros(u64::try_from(micros).unwrap_or(0));
+    let fencing_token: Option<i64> = row.try_get(7)?;
+    Ok(ConsumptionRecord {
+        key: BusinessKey::new(key),
+        status: parse_status(row.try_get(1)?)?,
+        attempts: u32::try_from(retry_count).unwrap_or(0) + 1,
+        last_error: row.try_get(3)?,
+        fingerprint: parse_fingerprint(row.try_get(4)?)?,
+        created_at: at(row.try_get(5)?),
+        updated_at: at(row.try_get(6)?),
+        fencing_token: fencing_token.and_then(|token| u64::try_from(token).ok()),
+    })
+}
