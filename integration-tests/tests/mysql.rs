@@ -11,7 +11,8 @@ use std::time::Duration;
 use integration_tests::amqp::{Broker, ready_messages, start_runner, topology_with_orders};
 use integration_tests::mysql::{pool_on, scratch_database};
 use integration_tests::unique;
-use oncely::mysql::{Table, migrate, migrate_state};
+use oncely::lock::MysqlLockStore;
+use oncely::mysql::{Table, migrate, migrate_lock, migrate_state};
 use oncely::record::{Begin, MysqlRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::state_guard::MysqlStateStore;
 use oncely::{BusinessKey, Envelope, Fingerprint, HandlerError, KeyExtractor, Route, handler_fn};
@@ -37,6 +38,15 @@ async fn state_store() -> MysqlStateStore {
 }
 
 oncely::store_suite!(state, state_store);
+
+async fn lock_store() -> MysqlLockStore {
+    let pool = scratch_database(8).await;
+    let table = Table::new("entity_lock").expect("a valid name");
+    migrate_lock(&pool, &table).await.expect("migrate");
+    MysqlLockStore::new(pool, table)
+}
+
+oncely::store_suite!(lock, lock_store);
 
 /// Consumers that start together each run the migration: all succeed, and the table is
 /// made once.

@@ -9,6 +9,7 @@ use std::time::Duration;
 use integration_tests::postgres::{
     BoxedStack, RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool,
 };
+use oncely::lock::PgLockStore;
 use oncely::postgres::StatusColumns;
 use oncely::record::{
     Begin, PgRecordStore, PgTransaction, ReconcileReport, Reconciler, RecordStatus, RecordStore,
@@ -41,6 +42,17 @@ async fn the_state_store_passes_the_state_suite() {
     let pool = pool(16);
     let schema = ScratchSchema::new(&pool).await;
     oncely::store_suite!(state, run: PgStateStore::new(pool.clone(), schema.table("entity_state")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lock_store_passes_the_lock_suite() {
+    let pool = pool(16);
+    let schema = ScratchSchema::new(&pool).await;
+    let table = schema.table("entity_lock");
+    oncely::postgres::migrate_lock(&pool, &table)
+        .await
+        .expect("migrate the lock table");
+    oncely::store_suite!(lock, run: PgLockStore::new(pool.clone(), table.clone()));
 }
 
 fn order(id: &str) -> Delivery {

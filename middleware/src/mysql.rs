@@ -7,4 +7,4 @@
 
 pub use sqlx;
 
-pub use crate::store::mysql::{Table, migrate, migrate_state};
+pub use crate::store::mysql::{Table, migrate, migrate_lock, migrate_state};

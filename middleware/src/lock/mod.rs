@@ -32,6 +32,10 @@ mod store;
 
 #[cfg(feature = "memory")]
 pub use crate::store::memory::lock::MemoryLockStore;
+#[cfg(feature = "mysql")]
+pub use crate::store::mysql::lock::MysqlLockStore;
+#[cfg(feature = "postgres")]
+pub use crate::store::postgres::lock::PgLockStore;
 #[cfg(feature = "redis")]
 pub use crate::store::redis::lock::RedisLockStore;
 pub use decision::LockTicket;

@@ -25,6 +25,30 @@ pub async fn one_of_many_concurrent_acquisitions_wins<S: LockStore>(store: S) {
     assert_eq!(winners, 1);
 }
 
+/// Of 64 concurrent acquisitions of an entity locked and released before, exactly one gets
+/// the lock, with a fencing token above the earlier one.
+pub async fn one_of_many_concurrent_acquisitions_of_a_released_entity_wins<S: LockStore>(store: S) {
+    let (entity, token) = (unique("lock-rerace"), Token::random());
+    let first = store
+        .acquire(&entity, token, LEASE)
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    assert!(store.release(&entity, token).await.unwrap());
+    let attempts: Vec<_> = (0..64)
+        .map(|_| {
+            let (store, entity) = (store.clone(), entity.clone());
+            tokio::spawn(async move { store.acquire(&entity, Token::random(), LEASE).await.unwrap() })
+        })
+        .collect();
+    let mut fences = Vec::new();
+    for attempt in attempts {
+        fences.extend(attempt.await.unwrap());
+    }
+    assert_eq!(fences.len(), 1, "{fences:?}");
+    assert!(fences[0] > first, "{} after {first}", fences[0]);
+}
+
 /// Fencing tokens grow from one acquisition of an entity to the next.
 pub async fn fencing_tokens_grow<S: LockStore>(store: S) {
     let entity = unique("lock-fence");

@@ -13,7 +13,9 @@ use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus};
-use crate::store::sql::{ClaimRequest, FoundRecord, parse_fingerprint, parse_status, refused_claim, to_i64};
+use crate::store::sql::{
+    ClaimRequest, FoundRecord, lease_micros, parse_fingerprint, parse_status, refused_claim, to_i64,
+};
 
 /// The longest business key the record table holds (`VARBINARY(1024)`), in bytes.
 pub const MAX_KEY_BYTES: usize = 1024;
@@ -139,7 +141,7 @@ pub(crate) async fn claim(
         .bind(status.as_str())
         .bind(request.fingerprint.to_string())
         .bind(request.fencing_token.map(to_i64))
-        .bind(lease_micros(request))
+        .bind(request.lease.map(lease_micros))
         .execute(&mut *connection)
         .await;
     match inserted {
@@ -195,7 +197,7 @@ async fn take_over(
     let taken = sqlx::query(&statements.take_over)
         .bind(status.as_str())
         .bind(fence)
-        .bind(lease_micros(request))
+        .bind(request.lease.map(lease_micros))
         .bind(request.key.as_str())
         .bind(&fingerprint)
         .bind(&fingerprint)
@@ -210,13 +212,6 @@ async fn take_over(
     Ok(Begin::Started {
         attempt: retry_count + 1,
     })
-}
-
-/// The claim's lease in microseconds, saturating; `None`: no lease.
-fn lease_micros(request: &ClaimRequest) -> Option<i64> {
-    request
-        .lease
-        .map(|lease| to_i64(u64::try_from(lease.as_micros()).unwrap_or(u64::MAX)))
 }
 
 /// One key's record as the table holds it.

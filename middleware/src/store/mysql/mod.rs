@@ -6,6 +6,7 @@
 //! is validated ([`Table`]) and quoted before it is put into SQL.
 
 pub(crate) mod claims;
+pub(crate) mod lock;
 pub(crate) mod record;
 pub(crate) mod state;
 pub(crate) mod transaction;
@@ -18,6 +19,7 @@ use crate::error::{ConfigError, StoreError};
 
 const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
 const ENTITY_STATE: &str = include_str!("migrations/entity_state.sql");
+const ENTITY_LOCK: &str = include_str!("migrations/entity_lock.sql");
 
 /// True when `error` is the server ending a transaction, or a statement, to let another
 /// one through: a deadlock victim (1213), a lock wait timeout (1205), and an XA branch
@@ -73,6 +75,13 @@ pub async fn migrate(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> 
 /// updated_at DATETIME(6)`. Idempotent, like [`migrate`].
 pub async fn migrate_state(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> {
     run_migration(pool, ENTITY_STATE, table).await
+}
+
+/// Creates the lock table `table` for [`MysqlLockStore`](crate::lock::MysqlLockStore) if it
+/// does not exist: `entity VARBINARY(1024) PRIMARY KEY, holder CHAR(32), fencing_token
+/// BIGINT, lease_until DATETIME(6)`. Idempotent, like [`migrate`].
+pub async fn migrate_lock(pool: &MySqlPool, table: &Table) -> Result<(), StoreError> {
+    run_migration(pool, ENTITY_LOCK, table).await
 }
 
 async fn run_migration(pool: &MySqlPool, template: &str, table: &Table) -> Result<(), StoreError> {

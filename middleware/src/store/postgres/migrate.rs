@@ -7,6 +7,7 @@ use crate::error::StoreError;
 
 const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
 const ENTITY_STATE: &str = include_str!("migrations/entity_state.sql");
+const ENTITY_LOCK: &str = include_str!("migrations/entity_lock.sql");
 
 /// Creates the consumption record table `table` and its indexes, and the table's schema,
 /// if they do not exist (the connecting role needs the right to create them).
@@ -22,6 +23,13 @@ pub async fn migrate(pool: &Pool, table: &Table) -> Result<(), StoreError> {
 /// updated_at TIMESTAMPTZ`. Idempotent.
 pub async fn migrate_state(pool: &Pool, table: &Table) -> Result<(), StoreError> {
     run_migration(pool, &table.render(ENTITY_STATE)).await
+}
+
+/// Creates the lock table `table` for [`PgLockStore`](crate::lock::PgLockStore), and its
+/// schema, if they do not exist: `entity TEXT PRIMARY KEY, holder TEXT, fencing_token
+/// BIGINT, lease_until TIMESTAMPTZ`. Idempotent.
+pub async fn migrate_lock(pool: &Pool, table: &Table) -> Result<(), StoreError> {
+    run_migration(pool, &table.render(ENTITY_LOCK)).await
 }
 
 async fn run_migration(pool: &Pool, sql: &str) -> Result<(), StoreError> {

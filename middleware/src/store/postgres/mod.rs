@@ -8,6 +8,7 @@
 //! before they are put into SQL.
 
 pub(crate) mod claims;
+pub(crate) mod lock;
 mod migrate;
 mod names;
 #[cfg(feature = "prefilter")]
@@ -23,7 +24,7 @@ use deadpool_postgres::tokio_postgres::error::SqlState;
 use deadpool_postgres::{Object, Pool};
 
 use crate::error::StoreError;
-pub use migrate::{migrate, migrate_state};
+pub use migrate::{migrate, migrate_lock, migrate_state};
 pub use names::{Ident, Table};
 pub use status_columns::StatusColumns;
 
