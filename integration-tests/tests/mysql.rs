@@ -9,11 +9,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use integration_tests::amqp::{Broker, ready_messages, start_runner, topology_with_orders};
-use integration_tests::mysql::{pool_on, scratch_database};
+use integration_tests::mysql::{StockDatabase, pool_on, scratch_database};
 use integration_tests::unique;
 use oncely::lock::MysqlLockStore;
+use oncely::mysql::sqlx;
 use oncely::mysql::{Table, migrate, migrate_lock, migrate_state};
-use oncely::record::{Begin, MysqlRecordStore, RecordLayer, RecordStatus, RecordStore};
+use oncely::record::{
+    Begin, MysqlRecordStore, MysqlTransaction, MysqlTransactionalLayer, RecordLayer, RecordStatus,
+    RecordStore,
+};
 use oncely::state_guard::MysqlStateStore;
 use oncely::{BusinessKey, Envelope, Fingerprint, HandlerError, KeyExtractor, Route, handler_fn};
 use oncely_amqp::{Producer, Runner};
@@ -122,39 +126,60 @@ async fn leases_hold_across_consumers_in_different_time_zones() {
     }
 }
 
-/// The path a user runs: RabbitMQ delivers orders, a third of them twice (the same id or a
-/// new one), to a runner whose route has the record tier on MariaDB — each order's effect
-/// once, every record `SUCCESS`, the copies answered as duplicates, nothing dead-lettered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once() {
-    const ORDERS: usize = 300;
-    let broker = Broker::Rabbit3;
-    let records = store().await;
-    let (topology, channel) = topology_with_orders(broker, "mysql-record", &[]).await;
-    let producer = Producer::new(broker.connect().await);
+/// Publishes `ORDERS` orders to `queue`, a third of them twice (half under the same message
+/// id, half under a new one); answers how many copies it sent.
+async fn publish_orders_with_copies(producer: &Producer, queue: &str) -> u64 {
     let body = |order: usize| format!(r#"{{"orderId":"o-{order}"}}"#).into_bytes();
     let mut copies = 0;
     for order in 0..ORDERS {
-        let id = producer
-            .publish("", topology.queue(), &body(order), None)
-            .await
-            .unwrap();
+        let id = producer.publish("", queue, &body(order), None).await.unwrap();
         if order % 3 == 0 {
             let again = match order % 2 {
-                0 => {
-                    producer
-                        .publish_with_id(&id, "", topology.queue(), &body(order), None)
-                        .await
-                }
-                _ => producer
-                    .publish("", topology.queue(), &body(order), None)
-                    .await
-                    .map(drop),
+                0 => producer.publish_with_id(&id, "", queue, &body(order), None).await,
+                _ => producer.publish("", queue, &body(order), None).await.map(drop),
             };
             again.unwrap();
             copies += 1;
         }
     }
+    copies
+}
+
+const ORDERS: usize = 300;
+
+/// Consumes `name`'s queue with `route` on RabbitMQ 3.10 until it drains, after
+/// [`publish_orders_with_copies`]; checks every order processed once, every copy answered a
+/// duplicate and nothing dead-lettered.
+async fn consume_orders_with_copies<S>(name: &str, route: impl FnOnce() -> Route<S>)
+where
+    S: tower::Service<Envelope, Response = oncely::Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let broker = Broker::Rabbit3;
+    let (topology, channel) = topology_with_orders(broker, name, &[]).await;
+    let producer = Producer::new(broker.connect().await);
+    let copies = publish_orders_with_copies(&producer, topology.queue()).await;
+    let runner = Runner::new(route(), topology.clone()).with_drain(Duration::from_millis(500));
+    let (_, running) = start_runner(runner, broker.address(), &unique("oncely-test-mysql"));
+    let report = tokio::time::timeout(Duration::from_secs(120), running)
+        .await
+        .expect("drained within two minutes")
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.processed, ORDERS as u64, "{report}");
+    assert_eq!(report.duplicates.values().sum::<u64>(), copies, "{report}");
+    assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
+    topology.delete(&channel).await.unwrap();
+}
+
+/// The path a user runs: RabbitMQ delivers orders, a third of them twice (the same id or a
+/// new one), to a runner whose route has the three-step record tier on MariaDB — each
+/// order's effect once, every record `SUCCESS`, the copies answered as duplicates, nothing
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once() {
+    let records = store().await;
     let effects = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
     let applied = effects.clone();
     let handler = handler_fn(move |envelope: Envelope| {
@@ -166,24 +191,46 @@ async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once(
         async { Ok::<(), HandlerError>(()) }
     });
     let stack = tower::Layer::layer(&RecordLayer::new(records.clone()), handler);
-    let route = Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), stack);
-    let runner = Runner::new(route, topology.clone()).with_drain(Duration::from_millis(500));
-    let (_, running) = start_runner(runner, broker.address(), &unique("oncely-test-mysql"));
-    let report = tokio::time::timeout(Duration::from_secs(120), running)
-        .await
-        .expect("drained within two minutes")
-        .unwrap()
-        .unwrap();
+    consume_orders_with_copies("mysql-record", || {
+        Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), stack)
+    })
+    .await;
     let effects = effects.lock().unwrap().clone();
-    assert_eq!(effects.len(), ORDERS, "{report}");
-    assert!(effects.values().all(|count| *count == 1), "{report}");
-    assert_eq!(report.processed, ORDERS as u64, "{report}");
-    assert_eq!(report.duplicates.values().sum::<u64>(), copies, "{report}");
+    assert_eq!(effects.len(), ORDERS);
+    assert!(effects.values().all(|count| *count == 1), "{effects:?}");
     for order in 0..ORDERS {
         let key = BusinessKey::new(format!("o-{order}"));
         let record = records.get(&key).await.unwrap().expect("a record");
         assert_eq!(record.status, RecordStatus::Success, "o-{order}");
     }
-    assert_eq!(ready_messages(&channel, topology.dead_letter_queue()).await, 0);
-    topology.delete(&channel).await.unwrap();
+}
+
+/// The same with the transactional record: the handler writes its stock move in the
+/// record's XA transaction on MariaDB — one row per order in the business table, each
+/// order's record `SUCCESS`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_consumer_with_the_transactional_record_on_mariadb_writes_each_order_once() {
+    let database = StockDatabase::new().await;
+    let records = MysqlTransactionalLayer::new(database.pool(16).await, StockDatabase::records());
+    let service = records.handler(|tx: MysqlTransaction, order: BusinessKey| async move {
+        sqlx::query("INSERT INTO stock_moves (order_id) VALUES (?)")
+            .bind(order.as_str())
+            .execute(&tx)
+            .await?;
+        Ok::<(), HandlerError>(())
+    });
+    consume_orders_with_copies("mysql-transactional", || {
+        Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), service)
+    })
+    .await;
+    assert_eq!(database.all_moves().await, ORDERS as i64);
+    for order in 0..ORDERS {
+        let order = format!("o-{order}");
+        assert_eq!(database.moves_of(&order).await, 1, "{order}");
+        assert_eq!(
+            database.status_of(&order).await.as_deref(),
+            Some("SUCCESS"),
+            "{order}"
+        );
+    }
 }
