@@ -34,6 +34,9 @@ async fn store() -> MysqlRecordStore {
 
 oncely::store_suite!(record, store);
 
+// Each case on a database of its own: its purge deletes every old `SUCCESS` row.
+oncely::store_suite!(reconcile, store);
+
 async fn state_store() -> MysqlStateStore {
     let pool = scratch_database(8).await;
     let table = Table::new("entity_state").expect("a valid name");

@@ -11,13 +11,11 @@ use integration_tests::postgres::{
 };
 use oncely::lock::PgLockStore;
 use oncely::postgres::StatusColumns;
-use oncely::record::{
-    Begin, PgRecordStore, PgTransaction, ReconcileReport, Reconciler, RecordStatus, RecordStore,
-};
+use oncely::record::{PgRecordStore, PgTransaction, RecordStatus, RecordStore};
 use oncely::state_guard::{PgStateStore, StateGuardLayer, StateMachine, StateStore};
 use oncely::{
-    BoxError, BusinessKey, Delivery, Envelope, Fingerprint, HandlerError, KeyExtractor, Outcome, RetryReason,
-    Route, Source, Tier, handler_fn,
+    BusinessKey, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Source, Tier,
+    handler_fn,
 };
 use tower::ServiceBuilder;
 
@@ -286,88 +284,18 @@ async fn a_connection_killed_mid_transaction_retries_later_and_leaves_no_partial
     }
 }
 
-#[tokio::test]
-async fn the_reconciler_settles_stuck_records_both_ways_and_purges_old_successes() {
-    let pool = pool(4);
-    let schema = ScratchSchema::new(&pool).await;
-    let store = PgRecordStore::new(pool.clone(), schema.records());
-    let fingerprint = Fingerprint::of(b"x");
-    let (applied, missing, running) = (
-        BusinessKey::new("applied"),
-        BusinessKey::new("missing"),
-        BusinessKey::new("running"),
-    );
-    // Two consumers crashed mid-handler; a third is still within its lease.
-    for key in [&applied, &missing] {
-        assert_eq!(
-            store
-                .begin(key, fingerprint, Duration::from_millis(50), None)
-                .await
-                .unwrap(),
-            Begin::Started { attempt: 1 }
-        );
-    }
-    assert!(matches!(
-        store
-            .begin(&running, fingerprint, Duration::from_secs(60), None)
-            .await
-            .unwrap(),
-        Begin::Started { .. }
-    ));
-    tokio::time::sleep(Duration::from_millis(150)).await;
-
-    let checked = Arc::new(AtomicUsize::new(0));
-    let check = {
-        let checked = checked.clone();
-        move |key: BusinessKey| {
-            checked.fetch_add(1, Ordering::SeqCst);
-            async move { Ok::<bool, BoxError>(key.as_str() == "applied") }
-        }
-    };
-    let reconciler = Reconciler::new(pool.clone(), schema.records(), check);
-    let report = reconciler.run_once().await.unwrap();
-    assert_eq!(
-        report,
-        ReconcileReport {
-            examined: 2,
-            marked_success: 1,
-            released: 1,
-            ..ReconcileReport::default()
-        }
-    );
-    assert_eq!(
-        checked.load(Ordering::SeqCst),
-        2,
-        "the record within its lease is not checked"
-    );
-    assert_eq!(
-        store.get(&applied).await.unwrap().unwrap().status,
-        RecordStatus::Success
-    );
-    assert_eq!(
-        store.get(&missing).await.unwrap().unwrap().status,
-        RecordStatus::Failure
-    );
-    assert_eq!(
-        store.get(&running).await.unwrap().unwrap().status,
-        RecordStatus::Processing
-    );
-    // The released key is taken over by its redelivery.
-    assert_eq!(
-        store
-            .begin(&missing, fingerprint, Duration::from_secs(60), None)
-            .await
-            .unwrap(),
-        Begin::Started { attempt: 2 }
-    );
-
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let purging = Reconciler::new(pool.clone(), schema.records(), |_: BusinessKey| async {
-        Ok::<bool, BoxError>(true)
-    })
-    .with_retention(Duration::from_millis(10));
-    assert_eq!(purging.run_once().await.unwrap().purged, 1);
-    assert_eq!(store.get(&applied).await.unwrap(), None);
+/// The reconciler suite, each case on a record table of its own (its purge deletes every old
+/// `SUCCESS` row of the table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_store_passes_the_reconcile_suite() {
+    let pool = pool(8);
+    let mut schemas = Vec::new();
+    oncely::store_suite!(reconcile, run: {
+        let schema = ScratchSchema::new(&pool).await;
+        let records = PgRecordStore::new(pool.clone(), schema.records());
+        schemas.push(schema);
+        records
+    });
 }
 
 #[tokio::test]

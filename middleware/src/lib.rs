@@ -59,11 +59,16 @@
 //! - `redis`: `flag::RedisFlagStore`, `lock::RedisLockStore` and
 //!   `deliveries::RedisDeliveryCounter` on Redis 7.0 or later.
 //! - `postgres`: the record tier on PostgreSQL in transactional mode
-//!   (`record::PgTransactionalLayer`) or three-step mode (`record::PgRecordStore`, with
-//!   claim coalescing and a `record::Reconciler`), and the state guard's
-//!   `state_guard::PgStateStore`.
-//! - `mysql`: on MySQL 8 or MariaDB (sqlx), the record tier's three-step store
-//!   (`record::MysqlRecordStore`) and the state guard's `state_guard::MysqlStateStore`.
+//!   (`record::PgTransactionalLayer`, per delivery or batched) or three-step mode
+//!   (`record::PgRecordStore`, with claim coalescing), the state guard's
+//!   `state_guard::PgStateStore` and the lock's `lock::PgLockStore`.
+//! - `mysql`: on MySQL 8 or MariaDB (sqlx), the record tier in transactional mode
+//!   (`record::MysqlTransactionalLayer`, per delivery) or three-step mode
+//!   (`record::MysqlRecordStore`), the state guard's `state_guard::MysqlStateStore` and the
+//!   lock's `lock::MysqlLockStore`.
+//!
+//! The `record::Reconciler` repairs three-step records stuck in `PROCESSING` on either SQL
+//! store.
 //! - `prefilter`: the pre-filter tier's Bloom filter (`fastbloom`) and roaring bitmap.
 //!
 //! and two that are not backends: `metrics` (default), the tiers' metrics through the

@@ -29,6 +29,7 @@
 
 mod decision;
 mod layer;
+mod reconciler;
 mod safe;
 mod store;
 
@@ -42,12 +43,13 @@ pub use crate::store::mysql::record::{MysqlRecordStore, MysqlTransactionalLayer,
 pub use crate::store::mysql::transaction::MysqlTransaction;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
-    BatchAnswer, BatchHandler, EffectCheck, PgBatchHandlerService, PgBatchedLayer, PgBatchedService,
-    PgRecordStore, PgTransaction, PgTransactionalLayer, PgTransactionalTicket, ReconcileReport, Reconciler,
+    BatchAnswer, BatchHandler, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore,
+    PgTransaction, PgTransactionalLayer, PgTransactionalTicket,
 };
 pub use decision::RecordTicket;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use decision::fencing_token;
 pub use layer::RecordLayer;
+pub use reconciler::{EffectCheck, ReconcileReport, Reconciler, StuckRecords};
 pub use safe::{AssertTransactionSafe, TransactionSafe};
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

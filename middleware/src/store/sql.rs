@@ -97,9 +97,9 @@ pub(crate) fn retry_count(attempt: u32) -> i32 {
     i32::try_from(attempt.saturating_sub(1)).unwrap_or(i32::MAX)
 }
 
-/// `lease` in microseconds, as the SQL stores add it to their clocks; saturating.
-pub(crate) fn lease_micros(lease: Duration) -> i64 {
-    to_i64(u64::try_from(lease.as_micros()).unwrap_or(u64::MAX))
+/// `duration` in microseconds, as the SQL stores add it to their clocks; saturating.
+pub(crate) fn micros(duration: Duration) -> i64 {
+    to_i64(u64::try_from(duration.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// SQL has no unsigned 64-bit integer that both stores share; fencing tokens and leases

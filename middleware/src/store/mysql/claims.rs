@@ -14,7 +14,7 @@ use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus};
 use crate::store::sql::{
-    ClaimRequest, FoundRecord, lease_micros, parse_fingerprint, parse_status, refused_claim, to_i64,
+    ClaimRequest, FoundRecord, micros, parse_fingerprint, parse_status, refused_claim, to_i64,
 };
 
 /// The longest business key the record table holds (`VARBINARY(1024)`), in bytes.
@@ -46,6 +46,14 @@ pub(crate) struct Statements {
     pub(crate) note_failure: String,
     /// One key's record. `?` key.
     pub(crate) get: String,
+    /// The reconciler's batch of `PROCESSING` rows past their lease, oldest lease first:
+    /// key, retry count. `?` limit.
+    pub(crate) stuck: String,
+    /// The reconciler's verdict on one stuck row, only if it is still that stuck attempt.
+    /// `?` status, error, key, retry count.
+    pub(crate) settle_stuck: String,
+    /// Deletes up to 5,000 `SUCCESS` rows not updated for `?` µs.
+    pub(crate) purge: String,
 }
 
 impl Statements {
@@ -102,6 +110,21 @@ impl Statements {
                 created = micros("created_at"),
                 updated = micros("updated_at"),
             ),
+            stuck: format!(
+                "SELECT message_key, retry_count FROM {table}
+                 WHERE status = 'PROCESSING' AND lease_until < UTC_TIMESTAMP(6)
+                 ORDER BY lease_until LIMIT ?"
+            ),
+            settle_stuck: format!(
+                "UPDATE {table} SET status = ?, error_details = ?, lease_until = NULL, updated_at = UTC_TIMESTAMP(6)
+                 WHERE message_key = ? AND retry_count = ? AND status = 'PROCESSING'
+                   AND lease_until < UTC_TIMESTAMP(6)"
+            ),
+            purge: format!(
+                "DELETE FROM {table}
+                 WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+                 LIMIT 5000"
+            ),
         })
     }
 }
@@ -141,7 +164,7 @@ pub(crate) async fn claim(
         .bind(status.as_str())
         .bind(request.fingerprint.to_string())
         .bind(request.fencing_token.map(to_i64))
-        .bind(request.lease.map(lease_micros))
+        .bind(request.lease.map(micros))
         .execute(&mut *connection)
         .await;
     match inserted {
@@ -197,7 +220,7 @@ async fn take_over(
     let taken = sqlx::query(&statements.take_over)
         .bind(status.as_str())
         .bind(fence)
-        .bind(request.lease.map(lease_micros))
+        .bind(request.lease.map(micros))
         .bind(request.key.as_str())
         .bind(&fingerprint)
         .bind(&fingerprint)
@@ -214,15 +237,21 @@ async fn take_over(
     })
 }
 
+/// A `message_key` column's bytes as a key.
+pub(crate) fn key_of(bytes: Vec<u8>) -> Result<BusinessKey, StoreError> {
+    String::from_utf8(bytes)
+        .map(BusinessKey::new)
+        .map_err(|_| StoreError::malformed("a record key that is not UTF-8"))
+}
+
 /// One key's record as the table holds it.
 pub(crate) fn read_record(row: &MySqlRow) -> Result<ConsumptionRecord, StoreError> {
-    let key: Vec<u8> = row.try_get(0)?;
-    let key = String::from_utf8(key).map_err(|_| StoreError::malformed("a record key that is not UTF-8"))?;
+    let key = key_of(row.try_get(0)?)?;
     let retry_count: i32 = row.try_get(2)?;
     let at = |micros: i64| SystemTime::UNIX_EPOCH + Duration::from_micros(u64::try_from(micros).unwrap_or(0));
     let fencing_token: Option<i64> = row.try_get(7)?;
     Ok(ConsumptionRecord {
-        key: BusinessKey::new(key),
+        key,
         status: parse_status(row.try_get(1)?)?,
         attempts: u32::try_from(retry_count).unwrap_or(0) + 1,
         last_error: row.try_get(3)?,

@@ -10,7 +10,7 @@ use super::Table;
 use super::claims::MAX_KEY_BYTES;
 use crate::error::StoreError;
 use crate::lock::LockStore;
-use crate::store::sql::lease_micros;
+use crate::store::sql::micros;
 use crate::token::Token;
 
 /// The lock table's statements, by what they do.
@@ -100,7 +100,7 @@ impl LockStore for MysqlLockStore {
                 entity.len()
             )));
         }
-        let (token, lease) = (token.to_string(), lease_micros(lease));
+        let (token, lease) = (token.to_string(), micros(lease));
         let mut connection = self.pool.acquire().await?;
         let taken = sqlx::query(&self.statements.take)
             .bind(&token)
@@ -128,7 +128,7 @@ impl LockStore for MysqlLockStore {
 
     async fn renew(&self, entity: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
         let renewed = sqlx::query(&self.statements.renew)
-            .bind(lease_micros(lease))
+            .bind(micros(lease))
             .bind(entity)
             .bind(token.to_string())
             .execute(&self.pool)

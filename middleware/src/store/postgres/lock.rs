@@ -9,7 +9,7 @@ use deadpool_postgres::Pool;
 use super::{Checkout, Table};
 use crate::error::StoreError;
 use crate::lock::LockStore;
-use crate::store::sql::lease_micros;
+use crate::store::sql::micros;
 use crate::token::Token;
 
 /// The lock table's statements, by what they do. `$1` entity, `$2` holder token, `$3` lease
@@ -90,7 +90,7 @@ impl PgLockStore {
             let changed = match lease {
                 Some(lease) => {
                     client
-                        .execute(statement, &[&entity, &token, &lease_micros(lease)])
+                        .execute(statement, &[&entity, &token, &micros(lease)])
                         .await?
                 }
                 None => client.execute(statement, &[&entity, &token]).await?,
@@ -114,7 +114,7 @@ impl LockStore for PgLockStore {
         let token = token.to_string();
         let fence: Option<i64> = Checkout::run(&self.pool, async |client| {
             let row = client
-                .query_opt(&self.statements.acquire, &[&entity, &token, &lease_micros(lease)])
+                .query_opt(&self.statements.acquire, &[&entity, &token, &micros(lease)])
                 .await?;
             Ok(row.map(|row| row.get(0)))
         })

@@ -10,12 +10,12 @@ use sqlx::MySqlPool;
 
 pub use self::transactional::{MysqlTransactionalLayer, MysqlTransactionalTicket};
 use super::Table;
-use super::claims::{Statements, claim, kept_error, read_record};
+use super::claims::{Statements, claim, kept_error, key_of, read_record};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
-use crate::store::sql::ClaimRequest;
+use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
+use crate::store::sql::{ClaimRequest, micros, to_i64};
 
 /// A three-step [`RecordStore`] on MySQL 8 or MariaDB, shared by every consumer process.
 ///
@@ -119,5 +119,42 @@ impl RecordStore for MysqlRecordStore {
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(read_record).transpose()
+    }
+}
+
+impl StuckRecords for MysqlRecordStore {
+    async fn stuck(&self, limit: usize) -> Result<Vec<(BusinessKey, u32)>, StoreError> {
+        let rows: Vec<(Vec<u8>, i32)> = sqlx::query_as(&self.statements.stuck)
+            .bind(to_i64(limit as u64))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.into_iter()
+            .map(|(key, retry_count)| Ok((key_of(key)?, u32::try_from(retry_count).unwrap_or(0) + 1)))
+            .collect()
+    }
+
+    async fn settle_stuck(
+        &self,
+        key: &BusinessKey,
+        attempt: u32,
+        status: RecordStatus,
+        note: Option<&str>,
+    ) -> Result<bool, StoreError> {
+        let settled = sqlx::query(&self.statements.settle_stuck)
+            .bind(status.as_str())
+            .bind(note)
+            .bind(key.as_str())
+            .bind(crate::store::sql::retry_count(attempt))
+            .execute(&self.pool)
+            .await?;
+        Ok(settled.rows_affected() == 1)
+    }
+
+    async fn purge_slice(&self, age: Duration) -> Result<u64, StoreError> {
+        let purged = sqlx::query(&self.statements.purge)
+            .bind(micros(age))
+            .execute(&self.pool)
+            .await?;
+        Ok(purged.rows_affected())
     }
 }

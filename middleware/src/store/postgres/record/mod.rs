@@ -5,7 +5,8 @@
 //!   for effects outside the database (SMS, HTTP calls): insert `PROCESSING` with a lease,
 //!   run the handler, then mark `SUCCESS` or `FAILURE`. Claims from concurrent deliveries
 //!   can be coalesced into one multi-row statement ([`PgRecordStore::with_coalescing`]). A
-//!   crash between the effect and `SUCCESS` leaves a `PROCESSING` row: the [`Reconciler`]
+//!   crash between the effect and `SUCCESS` leaves a `PROCESSING` row: the
+//!   [`Reconciler`](crate::record::Reconciler)
 //!   asks your checker whether the effect happened and settles it.
 //! - **Transactional** ([`PgTransactionalLayer`]), for effects in the same database: the
 //!   record insert and the handler's own writes commit in one transaction, so the effect and
@@ -16,7 +17,6 @@
 
 mod batched;
 mod coalesce;
-mod reconciler;
 mod transactional;
 
 use std::fmt;
@@ -27,13 +27,12 @@ use deadpool_postgres::Pool;
 
 pub use self::batched::{BatchAnswer, BatchHandler, PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
 use self::coalesce::Coalescer;
-pub use self::reconciler::{EffectCheck, ReconcileReport, Reconciler};
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
-use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore};
-use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch, read_record};
+use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
+use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch, read_record, to_i64};
 use crate::store::postgres::{Checkout, Table};
 
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
@@ -153,6 +152,52 @@ impl RecordStore for PgRecordStore {
         Checkout::run(&self.pool, async |client| {
             let row = client.query_opt(&self.statements.get, &[&key.as_str()]).await?;
             row.as_ref().map(read_record).transpose()
+        })
+        .await
+    }
+}
+
+impl StuckRecords for PgRecordStore {
+    async fn stuck(&self, limit: usize) -> Result<Vec<(BusinessKey, u32)>, StoreError> {
+        let limit = to_i64(limit as u64);
+        Checkout::run(&self.pool, async |client| {
+            let rows = client.query(&self.statements.stuck, &[&limit]).await?;
+            Ok(rows
+                .iter()
+                .map(|row| {
+                    let retry_count: i32 = row.get(1);
+                    let attempt = u32::try_from(retry_count).unwrap_or(0) + 1;
+                    (BusinessKey::new(row.get::<_, &str>(0)), attempt)
+                })
+                .collect())
+        })
+        .await
+    }
+
+    async fn settle_stuck(
+        &self,
+        key: &BusinessKey,
+        attempt: u32,
+        status: RecordStatus,
+        note: Option<&str>,
+    ) -> Result<bool, StoreError> {
+        let retry_count = crate::store::sql::retry_count(attempt);
+        Checkout::run(&self.pool, async |client| {
+            let changed = client
+                .execute(
+                    &self.statements.reconcile,
+                    &[&key.as_str(), &retry_count, &status.as_str(), &note],
+                )
+                .await?;
+            Ok(changed == 1)
+        })
+        .await
+    }
+
+    async fn purge_slice(&self, age: Duration) -> Result<u64, StoreError> {
+        let age_ms = to_i64(age.as_millis() as u64);
+        Checkout::run(&self.pool, async |client| {
+            Ok(client.execute(&self.statements.purge, &[&age_ms]).await?)
         })
         .await
     }

@@ -1,18 +1,43 @@
-//! Repairs three-step records stuck in `PROCESSING`, and purges old `SUCCESS` rows.
+//! Repairs three-step records stuck in `PROCESSING`, and purges old `SUCCESS` rows: the
+//! loop is written once here; each store answers [`StuckRecords`] in its own home.
 
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::RecordStatus;
 use crate::envelope::BusinessKey;
 use crate::error::{BoxError, StoreError};
-use crate::store::postgres::Table;
-use crate::store::postgres::claims::{Statements, to_i64};
+
+/// A record store a [`Reconciler`] can repair: it finds three-step records stuck in
+/// `PROCESSING` past their lease, settles one only while it is still that stuck attempt,
+/// and deletes old `SUCCESS` records. [`PgRecordStore`](crate::record::PgRecordStore) and
+/// [`MysqlRecordStore`](crate::record::MysqlRecordStore) implement it.
+pub trait StuckRecords: Send + Sync + 'static {
+    /// Up to `limit` records in `PROCESSING` whose lease ran out, oldest lease first: each
+    /// key with its attempt.
+    fn stuck(&self, limit: usize)
+    -> impl Future<Output = Result<Vec<(BusinessKey, u32)>, StoreError>> + Send;
+
+    /// Marks `key`'s record `status` with `note` as its error text, only if it is still
+    /// attempt `attempt`, `PROCESSING` and past its lease: a delivery that took it over
+    /// meanwhile wins. True when it changed the record.
+    fn settle_stuck(
+        &self,
+        key: &BusinessKey,
+        attempt: u32,
+        status: RecordStatus,
+        note: Option<&str>,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes up to one slice (a few thousand) of `SUCCESS` records not updated for `age`;
+    /// answers how many. Slices keep each delete's locks and undo log small.
+    fn purge_slice(&self, age: Duration) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
 
 /// Answers "did the business effect happen for this key?", from the business's own data
 /// (an order row, a provider's API).
@@ -73,23 +98,30 @@ impl fmt::Display for ReconcileReport {
 /// Run it once with [`run_once`](Reconciler::run_once), or every so often with
 /// [`spawn`](Reconciler::spawn). Several reconcilers may run at once: each row change is
 /// conditional, so they cannot undo each other.
-pub struct Reconciler<C> {
-    pool: Pool,
-    table: Table,
-    statements: Arc<Statements>,
+///
+/// ```no_run
+/// # use oncely::BusinessKey;
+/// # use oncely::record::{PgRecordStore, Reconciler};
+/// # async fn run(records: PgRecordStore) -> Result<(), oncely::StoreError> {
+/// let reconciler = Reconciler::new(records, |key: BusinessKey| async move {
+///     // Look the effect up in the business's own data.
+///     Ok::<bool, oncely::BoxError>(key.as_str().starts_with("paid-"))
+/// });
+/// let report = reconciler.run_once().await?;
+/// # Ok(()) }
+/// ```
+pub struct Reconciler<C, S> {
+    records: S,
     check: Arc<C>,
-    batch_size: i64,
+    batch_size: usize,
     retention: Option<Duration>,
 }
 
-impl<C: EffectCheck> Reconciler<C> {
-    /// A reconciler of the record table `table` asking `check`. Defaults: 500 rows a pass,
-    /// no purge.
-    pub fn new(pool: Pool, table: Table, check: C) -> Self {
+impl<C: EffectCheck, S: StuckRecords + fmt::Debug> Reconciler<C, S> {
+    /// A reconciler of `records` asking `check`. Defaults: 500 rows a pass, no purge.
+    pub fn new(records: S, check: C) -> Self {
         Reconciler {
-            pool,
-            statements: Statements::new(&table),
-            table,
+            records,
             check: Arc::new(check),
             batch_size: 500,
             retention: None,
@@ -98,7 +130,7 @@ impl<C: EffectCheck> Reconciler<C> {
 
     /// How many stuck rows one pass examines at most (oldest lease first).
     pub fn with_batch_size(mut self, rows: usize) -> Self {
-        self.batch_size = to_i64(rows as u64).max(1);
+        self.batch_size = rows.max(1);
         self
     }
 
@@ -112,16 +144,12 @@ impl<C: EffectCheck> Reconciler<C> {
     /// One pass: settles up to the batch size of stuck rows, then purges.
     pub async fn run_once(&self) -> Result<ReconcileReport, StoreError> {
         let mut report = ReconcileReport::default();
-        let client = self.pool.get().await?;
-        let stuck = client.query(&self.statements.stuck, &[&self.batch_size]).await?;
-        for row in stuck {
+        for (key, attempt) in self.records.stuck(self.batch_size).await? {
             report.examined += 1;
-            let key = BusinessKey::new(row.get::<_, &str>(0));
-            let retry_count: i32 = row.get(1);
             let (status, note) = match self.check.effect_applied(&key).await {
-                Ok(true) => ("SUCCESS", None),
+                Ok(true) => (RecordStatus::Success, None),
                 Ok(false) => (
-                    "FAILURE",
+                    RecordStatus::Failure,
                     Some("reconciler: effect not found after the lease; released for retry"),
                 ),
                 Err(error) => {
@@ -130,31 +158,27 @@ impl<C: EffectCheck> Reconciler<C> {
                     continue;
                 }
             };
-            let changed = client
-                .execute(
-                    &self.statements.reconcile,
-                    &[&key.as_str(), &retry_count, &status, &note],
-                )
-                .await?;
-            match (changed, status) {
-                (0, _) => report.changed_meanwhile += 1,
-                (_, "SUCCESS") => report.marked_success += 1,
-                _ => report.released += 1,
+            match (
+                self.records.settle_stuck(&key, attempt, status, note).await?,
+                status,
+            ) {
+                (false, _) => report.changed_meanwhile += 1,
+                (true, RecordStatus::Success) => report.marked_success += 1,
+                (true, _) => report.released += 1,
             }
         }
         if let Some(age) = self.retention {
-            report.purged = self.purge(&client, age).await?;
+            report.purged = self.purge(age).await?;
         }
         Ok(report)
     }
 
     /// Deletes old `SUCCESS` rows in slices, so one pass never holds a long lock or builds a
     /// huge transaction.
-    async fn purge(&self, client: &deadpool_postgres::Client, age: Duration) -> Result<u64, StoreError> {
-        let age_ms = to_i64(age.as_millis() as u64);
+    async fn purge(&self, age: Duration) -> Result<u64, StoreError> {
         let mut purged = 0;
         loop {
-            let deleted = client.execute(&self.statements.purge, &[&age_ms]).await?;
+            let deleted = self.records.purge_slice(age).await?;
             purged += deleted;
             if deleted == 0 {
                 return Ok(purged);
@@ -164,15 +188,12 @@ impl<C: EffectCheck> Reconciler<C> {
 
     /// Runs a pass every `every` until `shutdown` is cancelled, logging each report; a failed
     /// pass is logged and retried at the next tick.
-    pub fn spawn(self, every: Duration, shutdown: CancellationToken) -> JoinHandle<()>
-    where
-        C: EffectCheck,
-    {
+    pub fn spawn(self, every: Duration, shutdown: CancellationToken) -> JoinHandle<()> {
         tokio::spawn(async move {
             loop {
                 match self.run_once().await {
-                    Ok(report) => tracing::info!(table = %self.table, %report, "reconciler pass"),
-                    Err(error) => tracing::warn!(table = %self.table, %error, "reconciler pass failed"),
+                    Ok(report) => tracing::info!(records = ?self.records, %report, "reconciler pass"),
+                    Err(error) => tracing::warn!(records = ?self.records, %error, "reconciler pass failed"),
                 }
                 if shutdown
                     .run_until_cancelled(tokio::time::sleep(every))
@@ -186,10 +207,10 @@ impl<C: EffectCheck> Reconciler<C> {
     }
 }
 
-impl<C> fmt::Debug for Reconciler<C> {
+impl<C, S: fmt::Debug> fmt::Debug for Reconciler<C, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Reconciler")
-            .field("table", &self.table)
+            .field("records", &self.records)
             .field("batch_size", &self.batch_size)
             .field("retention", &self.retention)
             .finish_non_exhaustive()
