@@ -299,6 +299,76 @@ async fn a_handler_cut_off_while_waiting_for_a_lock_releases_the_key_at_once() {
     holder.rollback().await.unwrap();
 }
 
+/// A handler that bounds a statement with a timeout of its own and swallows the timeout:
+/// the statement, still waiting for a lock on the server, could apply after the handler
+/// answered. Nothing commits, and the tier kills the session rather than waiting for the
+/// statement, so the key is free for the redelivery at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_the_handler_cut_off_itself_fails_the_delivery() {
+    let database = StockDatabase::new().await;
+    sqlx::raw_sql("CREATE TABLE stock (sku VARCHAR(16) PRIMARY KEY, quantity INT); INSERT INTO stock VALUES ('sku-1', 10)")
+        .execute(&database.pool)
+        .await
+        .unwrap();
+    let mut holder = database.pool.begin().await.unwrap();
+    sqlx::query("SELECT quantity FROM stock WHERE sku = 'sku-1' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let route = route(&database.pool(4).await, move |envelope: Envelope| {
+        let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            insert_stock_move(&envelope).await?;
+            if first {
+                let tx = the_transaction(&envelope);
+                // Bounds the test if the tier waited for the statement after all.
+                tx.execute("SET SESSION innodb_lock_wait_timeout = 5").await?;
+                let update =
+                    sqlx::query("UPDATE stock SET quantity = quantity - 1 WHERE sku = 'sku-1'").execute(&tx);
+                let _swallowed = tokio::time::timeout(Duration::from_millis(200), update).await;
+            }
+            Ok(())
+        }
+    });
+    let outcome = route.handle(order("o-1")).await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{outcome}"
+    );
+    assert!(outcome.to_string().contains("cut off"), "{outcome}");
+    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+    assert_eq!(database.moves_of("o-1").await, 1);
+    holder.rollback().await.unwrap();
+    let quantity: i32 = sqlx::query_scalar("SELECT quantity FROM stock")
+        .fetch_one(&database.pool)
+        .await
+        .unwrap();
+    assert_eq!(quantity, 10, "the cut-off update did not apply");
+}
+
+/// `SET autocommit = 0` is allowed inside XA; a connection pooled with it would leave every
+/// later statement on it in a transaction nobody commits. The tier gives it back with
+/// autocommit on: a plain write on the pool's one connection afterwards is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_turns_autocommit_off_leaves_no_open_transaction_on_the_pool() {
+    let database = StockDatabase::new().await;
+    let pool = database.pool(1).await;
+    let route = route(&pool, |envelope: Envelope| async move {
+        the_transaction(&envelope).execute("SET autocommit = 0").await?;
+        insert_stock_move(&envelope).await
+    });
+    assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
+    sqlx::query("INSERT INTO stock_moves (order_id) VALUES ('plain')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Read on another connection: only what was committed.
+    assert_eq!(database.moves_of("plain").await, 1);
+    assert_eq!(database.moves_of("o-1").await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_keeps_its_transaction_past_its_answer_commits_nothing() {
     let database = StockDatabase::new().await;
@@ -344,7 +414,12 @@ async fn a_connection_killed_mid_handler_commits_nothing_and_the_retry_applies_o
         }
     });
     let outcome = route.handle(order("o-1")).await;
-    assert!(matches!(outcome, Outcome::RetryLater(_)), "{outcome}");
+    // The swallowed failure is the handler's: seen through the handle, not only at commit.
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{outcome}"
+    );
     assert_eq!(database.moves_of("o-1").await, 0, "nothing committed");
     assert_eq!(
         route.handle(order("o-1").with_attempt(2)).await,

@@ -23,7 +23,8 @@ const ENTITY_LOCK: &str = include_str!("migrations/entity_lock.sql");
 
 /// True when `error` is the server ending a transaction, or a statement, to let another
 /// one through: a deadlock victim (1213), a lock wait timeout (1205), and an XA branch
-/// rolled back for either (XA_RBDEADLOCK 1614, XA_RBTIMEOUT 1613, XA_RBROLLBACK 1402).
+/// rolled back for either (XA_RBDEADLOCK 1614, XA_RBTIMEOUT 1613, XA_RBROLLBACK 1402), and
+/// MariaDB's "record has changed since last read" (1020, under `innodb_snapshot_isolation`).
 /// Nothing is wrong with the store, and the same work a moment later passes.
 pub(crate) fn lost_to_another_transaction(error: &sqlx::Error) -> bool {
     let sqlx::Error::Database(error) = error else {
@@ -31,7 +32,7 @@ pub(crate) fn lost_to_another_transaction(error: &sqlx::Error) -> bool {
     };
     error
         .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-        .is_some_and(|error| matches!(error.number(), 1213 | 1205 | 1614 | 1613 | 1402))
+        .is_some_and(|error| matches!(error.number(), 1213 | 1205 | 1614 | 1613 | 1402 | 1020))
 }
 
 /// A table in the connection's database: 1 to 64 lowercase ASCII letters, digits and

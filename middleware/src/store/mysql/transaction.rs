@@ -11,12 +11,13 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures_util::future::BoxFuture;
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use sqlx::mysql::{MySqlQueryResult, MySqlRow, MySqlStatement, MySqlTypeInfo};
 use sqlx::pool::PoolConnection;
-use sqlx::{Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
+use sqlx::{ConnectOptions, Connection, Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
 
 use super::claims::{Statements, claim};
 use super::lost_to_another_transaction;
@@ -27,7 +28,7 @@ use crate::record::{Begin, RecordStatus};
 use crate::store::sql::ClaimRequest;
 
 /// One claim's transaction: the connection (until the tier ends the transaction), the XA
-/// id, and the first failure of a statement the handler ran through its handle.
+/// id, and what the handler's statements through its handle met.
 pub(crate) struct OpenTransaction {
     /// `None` once the tier has taken it to end the transaction: a handle kept past the
     /// answer then has nothing to run on.
@@ -37,46 +38,46 @@ pub(crate) struct OpenTransaction {
     /// The server's id of the connection (`CONNECTION_ID()`), to kill what it runs when the
     /// transaction is abandoned.
     connection_id: u64,
-    /// What `KILL` runs on.
+    /// Whose connect options `KILL` connects with.
     pool: MySqlPool,
-    /// The first statement of the handler's that failed.
+    /// The first statement of the handler's that failed, or was cut off.
     failure: std::sync::Mutex<Option<String>>,
+    /// A statement of the handler's was cut off before it finished (its future dropped by a
+    /// timeout or a `select!` inside the handler): the server may still be running it.
+    cut_off: AtomicBool,
+}
+
+/// How the tier ends a transaction.
+#[derive(Clone, Copy, Debug)]
+enum Ending {
+    Commit,
+    Rollback,
 }
 
 impl OpenTransaction {
     /// Takes a connection from `pool` and starts an XA transaction on it, in one round trip.
     /// The transaction runs at the session's isolation level (the server's default,
-    /// REPEATABLE READ, unless the pool sets another): the tier's claim locks what it reads,
-    /// so it needs none above READ COMMITTED, and the handler's reads keep the level its
-    /// author expects.
+    /// REPEATABLE READ, unless the pool's connections set another). The claim's reads need
+    /// no more than READ COMMITTED: the `UPDATE` that takes a row over checks it again.
     pub(crate) async fn start(pool: &MySqlPool) -> Result<Self, StoreError> {
-        let mut connection = pool.acquire().await?;
+        let mut connection = Unpooled(Some(pool.acquire().await?));
         let xid = format!("oncely-{}", crate::Token::random());
         // `Executor::fetch_all`, not `RawSql::fetch_all`: the latter's future is not `Send` for
         // every lifetime, which the tier's trait methods need. Text protocol: XA statements
         // cannot be prepared.
         let start = format!("XA START '{xid}'; SELECT CAST(CONNECTION_ID() AS UNSIGNED)");
-        let started = connection.fetch_all(sqlx::raw_sql(&start)).await;
-        let connection_id = started
-            .map_err(StoreError::new)
-            .and_then(|rows| match rows.as_slice() {
-                [row] => row.try_get::<u64, _>(0).map_err(StoreError::new),
-                _ => Err(StoreError::malformed("XA START answered no connection id")),
-            });
-        let connection_id = match connection_id {
-            Ok(id) => id,
-            Err(error) => {
-                // Closed, not pooled: the XA transaction may have started.
-                connection.close_on_drop();
-                return Err(error);
-            }
+        let rows = connection.get().fetch_all(sqlx::raw_sql(&start)).await?;
+        let connection_id = match rows.as_slice() {
+            [row] => row.try_get::<u64, _>(0)?,
+            _ => return Err(StoreError::malformed("XA START answered no connection id")),
         };
         Ok(OpenTransaction {
-            connection: tokio::sync::Mutex::new(Some(connection)),
+            connection: tokio::sync::Mutex::new(connection.keep()),
             xid,
             connection_id,
             pool: pool.clone(),
             failure: std::sync::Mutex::new(None),
+            cut_off: AtomicBool::new(false),
         })
     }
 
@@ -93,15 +94,15 @@ impl OpenTransaction {
 
     /// Commits: `Ok` only when the server said it committed. A statement of the handler's
     /// that failed — MySQL undoes only that statement and carries on, unlike PostgreSQL,
-    /// where it aborts the transaction — makes the tier roll back instead: the handler's
-    /// other writes would otherwise commit with the record although one of its statements
-    /// did not apply.
+    /// where it aborts the transaction — or that was cut off makes the tier roll back
+    /// instead: the handler's other writes would otherwise commit with the record although
+    /// one of its statements did not apply (or did, unseen).
     pub(crate) async fn commit(&self) -> Result<(), Outcome> {
-        let Some(mut connection) = self.connection.lock().await.take() else {
+        let Some(connection) = self.connection.lock().await.take() else {
             return Err(store_lost("the transaction's connection was already ended"));
         };
         if let Some(failure) = self.failure() {
-            end(connection, &self.rollback()).await;
+            let _ = self.end(connection, Ending::Rollback).await;
             return Err(Outcome::retry_later(
                 RetryReason::HandlerFailed,
                 format!(
@@ -111,27 +112,61 @@ impl OpenTransaction {
                 None,
             ));
         }
-        let xid = &self.xid;
-        let commit = format!("XA END '{xid}'; XA COMMIT '{xid}' ONE PHASE");
-        match connection.execute(sqlx::raw_sql(&commit)).await {
-            Ok(_) => Ok(()),
-            Err(error) => {
-                // Whatever state the branch is in now, the connection is not reused.
-                connection.close_on_drop();
-                Err(refused_commit(error))
-            }
-        }
+        self.end(connection, Ending::Commit).await.map_err(refused_commit)
     }
 
     /// Rolls back; the connection goes back to the pool only if that worked.
     pub(crate) async fn roll_back(&self) {
         if let Some(connection) = self.connection.lock().await.take() {
-            end(connection, &self.rollback()).await;
+            let _ = self.end(connection, Ending::Rollback).await;
         }
     }
 
-    fn rollback(&self) -> String {
-        format!("XA END '{xid}'; XA ROLLBACK '{xid}'", xid = self.xid)
+    /// Ends the transaction. The connection goes back to the pool only if that worked, and
+    /// with `autocommit` on: a handler's `SET autocommit = 0` (which XA allows) would
+    /// otherwise leave every later statement on it in a transaction nobody commits.
+    /// After a cut-off statement, or when the connection failed, the server session is
+    /// killed instead: waiting for a statement that may wait for a lock, or leaving a
+    /// session the server still thinks alive, would hold the key's claim for the lock wait
+    /// timeout, or for hours.
+    async fn end(&self, mut connection: PoolConnection<MySql>, ending: Ending) -> Result<(), sqlx::Error> {
+        if self.cut_off.load(Ordering::Acquire) {
+            connection.close_on_drop();
+            self.kill();
+            return Err(sqlx::Error::Protocol(
+                "a statement of the handler was cut off".into(),
+            ));
+        }
+        let xid = &self.xid;
+        let statement = match ending {
+            Ending::Commit => format!("XA END '{xid}'; XA COMMIT '{xid}' ONE PHASE; SET autocommit = 1"),
+            Ending::Rollback => format!("XA END '{xid}'; XA ROLLBACK '{xid}'; SET autocommit = 1"),
+        };
+        let ended = connection.execute(sqlx::raw_sql(&statement)).await;
+        if let Err(error) = &ended {
+            tracing::warn!(%error, ?ending, "could not end the record transaction; closing the connection");
+            connection.close_on_drop();
+            if !matches!(error, sqlx::Error::Database(_)) {
+                self.kill();
+            }
+        }
+        ended.map(drop)
+    }
+
+    /// Kills the connection's server session, from a connection of its own: the pool may be
+    /// full of deliveries waiting for the very locks this frees. Fails harmlessly when the
+    /// session has already gone.
+    fn kill(&self) {
+        let (options, id) = (self.pool.connect_options(), self.connection_id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let Ok(mut killer) = options.connect().await else {
+                    return;
+                };
+                let _ = killer.execute(sqlx::raw_sql(&format!("KILL {id}"))).await;
+                let _ = killer.close().await;
+            });
+        }
     }
 
     /// The first failure the handler's statements met, if any.
@@ -143,52 +178,90 @@ impl OpenTransaction {
     }
 
     /// Keeps the first failure of the handler's statements.
-    fn note(&self, error: &sqlx::Error) {
-        let mut failure = self
+    fn note(&self, failure: impl FnOnce() -> String) {
+        let mut kept = self
             .failure
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        failure.get_or_insert_with(|| error.to_string());
+        kept.get_or_insert_with(failure);
     }
 }
 
 /// Never pooled unended: an `OpenTransaction` dropped with its connection (a `tower` timeout
-/// dropped the stack's future, a tier behind panicked) kills the connection on the server,
-/// which rolls the transaction back at once, even mid-statement — a closed socket alone is
-/// noticed only when the running statement ends, which could hold its locks for the lock
-/// wait timeout.
+/// dropped the stack's future, a tier behind panicked) kills the connection's session, which
+/// rolls the transaction back at once, even mid-statement — a closed socket alone is noticed
+/// only when the running statement ends, which could hold its locks for the lock wait
+/// timeout.
 impl Drop for OpenTransaction {
     fn drop(&mut self) {
-        let Some(mut connection) = self.connection.get_mut().take() else {
-            return;
-        };
-        connection.close_on_drop();
-        let (pool, id) = (self.pool.clone(), self.connection_id);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                // Fails harmlessly when the connection has already gone.
-                let _ = pool.execute(sqlx::raw_sql(&format!("KILL {id}"))).await;
-            });
+        if let Some(mut connection) = self.connection.get_mut().take() {
+            connection.close_on_drop();
+            self.kill();
         }
     }
 }
 
-/// Ends the transaction with `statement`; the connection goes back to the pool only if that
-/// worked.
-async fn end(mut connection: PoolConnection<MySql>, statement: &str) {
-    if let Err(error) = connection.execute(sqlx::raw_sql(statement)).await {
-        tracing::warn!(%error, statement, "could not end the record transaction; closing the connection");
-        connection.close_on_drop();
+/// A connection on its way into an XA transaction: closed, not pooled, if dropped before
+/// [`keep`](Unpooled::keep) — a timeout that drops the future while `XA START` is on the wire
+/// would otherwise pool it with the transaction open, and the next user's writes would join it.
+struct Unpooled(Option<PoolConnection<MySql>>);
+
+impl Unpooled {
+    fn get(&mut self) -> &mut PoolConnection<MySql> {
+        self.0.as_mut().expect("taken only by keep")
+    }
+
+    fn keep(mut self) -> Option<PoolConnection<MySql>> {
+        self.0.take()
+    }
+}
+
+impl Drop for Unpooled {
+    fn drop(&mut self) {
+        if let Some(connection) = self.0.as_mut() {
+            connection.close_on_drop();
+        }
+    }
+}
+
+/// A statement of the handler's on the wire: dropped before it [finished](InFlight::finish),
+/// it notes the transaction cut off — the server may still run it, and what it does is
+/// unknown, so nothing of the transaction commits and the session is killed.
+struct InFlight<'a>(Option<&'a OpenTransaction>);
+
+impl<'a> InFlight<'a> {
+    fn start(transaction: &'a OpenTransaction) -> Self {
+        InFlight(Some(transaction))
+    }
+
+    fn finish(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(transaction) = self.0 {
+            transaction.cut_off.store(true, Ordering::Release);
+            transaction.note(|| "a statement was cut off before it finished".to_owned());
+        }
     }
 }
 
 /// The outcome of a commit the server refused, or whose answer never came.
 fn refused_commit(error: sqlx::Error) -> Outcome {
-    let sqlx::Error::Database(_) = &error else {
+    let sqlx::Error::Database(database) = &error else {
         // The connection failed: the commit may have happened; the redelivery finds out
         // from the record.
         return store_lost(format!("the commit's answer was lost: {error}"));
     };
+    // XAER_NOTA: no such XA transaction — ended by someone else, who may have committed it.
+    let unknown = database
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some_and(|error| error.number() == 1397);
+    if unknown {
+        return store_lost(format!("the transaction was ended by someone else: {error}"));
+    }
     // Another transaction won; trying again may pass.
     let reason = match lost_to_another_transaction(&error) {
         true => RetryReason::Conflict(crate::Tier::Record),
@@ -229,7 +302,10 @@ fn ended() -> sqlx::Error {
 ///   [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`], even if
 ///   the handler ignored the error and returned `Ok` — as on PostgreSQL, where the failed
 ///   statement aborts the transaction. For a write that may find its row already there,
-///   use `INSERT IGNORE` or `ON DUPLICATE KEY UPDATE` and read the rows affected.
+///   use `INSERT IGNORE` (its rows affected are 0 when the row was there) or
+///   `ON DUPLICATE KEY UPDATE`. A statement cut off before it finished (a timeout or a
+///   `select!` inside the handler) fails the delivery the same way: the server may still run
+///   it.
 /// - **It cannot be ended by the handler.** It is an XA transaction: `COMMIT`, `ROLLBACK`,
 ///   `START TRANSACTION`, DDL and `LOCK TABLES` fail inside it (`XAER_RMFAIL`, error 1399),
 ///   which fails the delivery as above, instead of committing part of the effect with the
@@ -264,11 +340,10 @@ fn ended() -> sqlx::Error {
 #[derive(Clone)]
 pub struct MysqlTransaction(pub(crate) Arc<OpenTransaction>);
 
+/// Shows no XA id: with it, a handler could end the transaction itself (`XA END …`).
 impl fmt::Debug for MysqlTransaction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MysqlTransaction")
-            .field("xid", &self.0.xid)
-            .finish_non_exhaustive()
+        f.write_str("MysqlTransaction")
     }
 }
 
@@ -295,7 +370,7 @@ impl MysqlTransaction {
     /// to see.
     fn noted<T>(&self, answer: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {
         if let Err(error) = &answer {
-            self.0.note(error);
+            self.0.note(|| error.to_string());
         }
         answer
     }
@@ -314,11 +389,13 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
     {
         let answers = async move {
             let mut slot = self.0.connection.lock().await;
+            let in_flight = InFlight::start(&self.0);
             let answers: Result<Vec<_>, sqlx::Error> = match slot.as_mut() {
                 // The first error ends the stream; it is the answer to note.
                 Some(connection) => connection.fetch_many(query).try_collect().await,
                 None => Err(ended()),
             };
+            in_flight.finish();
             drop(slot);
             let answers = match self.noted(answers) {
                 Ok(answers) => answers.into_iter().map(Ok).collect(),
@@ -336,10 +413,12 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
     {
         Box::pin(async move {
             let mut slot = self.0.connection.lock().await;
+            let in_flight = InFlight::start(&self.0);
             let answer = match slot.as_mut() {
                 Some(connection) => connection.fetch_optional(query).await,
                 None => Err(ended()),
             };
+            in_flight.finish();
             self.noted(answer)
         })
     }
@@ -354,10 +433,12 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
     {
         Box::pin(async move {
             let mut slot = self.0.connection.lock().await;
+            let in_flight = InFlight::start(&self.0);
             let answer = match slot.as_mut() {
                 Some(connection) => connection.prepare_with(sql, parameters).await,
                 None => Err(ended()),
             };
+            in_flight.finish();
             self.noted(answer)
         })
     }
@@ -368,10 +449,12 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
     {
         Box::pin(async move {
             let mut slot = self.0.connection.lock().await;
+            let in_flight = InFlight::start(&self.0);
             let answer = match slot.as_mut() {
                 Some(connection) => connection.describe(sql).await,
                 None => Err(ended()),
             };
+            in_flight.finish();
             self.noted(answer)
         })
     }

@@ -19,14 +19,14 @@ use crate::store::sql::{ClaimRequest, micros, to_i64};
 
 /// A three-step [`RecordStore`] on MySQL 8 or MariaDB, shared by every consumer process.
 ///
-/// A claim of a new key is one `INSERT`; of a key with a row, an `UPDATE` that takes it over
-/// when it may, else one read of what stopped it. Each runs in autocommit, so what it locks
+/// A claim of a new key is one `INSERT`; of a key with a row, one read of it and, when it
+/// may be taken over, an `UPDATE` that takes it. Each runs in autocommit, so what it locks
 /// (the row, or under REPEATABLE READ the index range a duplicate `INSERT` checks) is held
 /// for that one statement only. Leases and timestamps run on the server's clock, in UTC
 /// whatever the session's time zone.
 ///
-/// Limits: business keys up to [`MYSQL_MAX_KEY_BYTES`](crate::record::MYSQL_MAX_KEY_BYTES) (the route's default limit of 256 bytes
-/// fits): a longer one is refused with a [`StoreError`], never cut, since a cut key could
+/// Limits: business keys up to [`MYSQL_MAX_KEY_BYTES`](crate::record::MYSQL_MAX_KEY_BYTES)
+/// (the route's default limit of 256 bytes fits): a longer one is refused with a [`StoreError`], never cut, since a cut key could
 /// be another key. Error texts are kept up to 16 KiB. No claim coalescing yet (PostgreSQL's
 /// only). For effects in the same database, the
 /// [`MysqlTransactionalLayer`] commits the record with them instead.

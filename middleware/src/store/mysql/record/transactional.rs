@@ -38,22 +38,29 @@ use crate::tier::{Enter, Tier, TierDecision, TierService};
 /// [`RetryLater`](crate::Outcome::RetryLater); the failure is then noted on the row as
 /// `FAILURE` with its text and a retry count, in a separate statement. A commit whose answer
 /// is lost may have committed: the redelivery then finds `SUCCESS` and is a duplicate, so
-/// nothing is applied twice either way. A deadlock that picks this transaction as its
-/// victim answers `RetryLater` with [`RetryReason::Conflict`].
+/// nothing is applied twice either way. A deadlock that picks this transaction's claim or
+/// commit as its victim answers `RetryLater` with [`RetryReason::Conflict`]; one that picks
+/// a statement of the handler's is the handler's failure ([`RetryReason::HandlerFailed`]).
 ///
 /// What MySQL needs that PostgreSQL does not, and the tier does (see [`MysqlTransaction`]):
 /// the transaction is an XA transaction, so a handler's `COMMIT`, `ROLLBACK`,
 /// `START TRANSACTION`, DDL or `LOCK TABLES` fails instead of ending it; a failed statement
 /// fails the delivery although MySQL would have carried on; and a connection whose
 /// transaction was not ended by the tier — the stack's future dropped by a `tower` timeout,
-/// a panic behind — is killed on the server (`KILL`), which rolls it back at once, and never
-/// goes back to the pool.
+/// a panic behind, a statement of the handler's cut off mid-flight, a connection that
+/// failed — is killed on the server (`KILL`, from a connection of its own), which rolls it
+/// back at once, and never goes back to the pool. A connection goes back with `autocommit`
+/// on; other session settings a handler changes (`SET SESSION …`, `GET_LOCK`, temporary
+/// tables) stay on it, as they would on any pooled connection: change none.
 ///
 /// The transaction runs at the session's isolation level (REPEATABLE READ by default). The
-/// claim locks the key's index record for the transaction's life, so a copy of the same key
-/// waits for the first to end; under REPEATABLE READ a handler's own locking reads also take
-/// gap locks, and two transactions that lock the same rows in different orders deadlock:
-/// one of them is answered `Conflict` and retried.
+/// claim's `INSERT` locks the key's index record for the transaction's life, so a copy of
+/// the same key waits for the first to end. A claim that finds the key's row (a copy, a
+/// takeover of a `FAILURE` row) also holds the shared next-key lock of its duplicate-key
+/// check — the record and the gap before it in the key index — until it ends, so a new key
+/// that sorts into that gap waits for a takeover's handler. Under REPEATABLE READ a
+/// handler's own locking reads take gap locks too, and two transactions that lock the same
+/// rows in different orders deadlock: InnoDB fails one, which is retried.
 ///
 /// Only services that write nothing outside the transaction may stand behind this tier
 /// ([`TransactionSafe`]), as with [`PgTransactionalLayer`](crate::record::PgTransactionalLayer):
