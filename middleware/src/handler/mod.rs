@@ -40,7 +40,7 @@ mod untyped;
 use error::outcome_of;
 pub use error::{Classify, ErrorClass, HandlerError, ResultExt};
 pub use extract::{Argument, FromEnvelope, InTransaction, Json, Plain};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use typed::typed;
 pub use typed::{Handler, TypedHandler, handler};
 pub use untyped::{HandlerFn, handler_fn};

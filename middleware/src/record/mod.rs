@@ -38,13 +38,20 @@ pub use crate::store::memory::record::MemoryRecordStore;
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::claims::MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES;
 #[cfg(feature = "mysql")]
-pub use crate::store::mysql::record::{MysqlRecordStore, MysqlTransactionalLayer, MysqlTransactionalTicket};
+pub use crate::store::mysql::record::{
+    MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService, MysqlRecordStore,
+    MysqlTransactionalLayer, MysqlTransactionalTicket,
+};
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::transaction::MysqlTransaction;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
-    BatchAnswer, BatchHandler, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore,
-    PgTransaction, PgTransactionalLayer, PgTransactionalTicket,
+    PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgTransaction,
+    PgTransactionalLayer, PgTransactionalTicket,
+};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use crate::store::sql::batched::{
+    BatchAnswer, BatchHandler, BatchHandlerService, BatchedLayer, BatchedService,
 };
 pub use decision::RecordTicket;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -12,4 +12,4 @@ pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-mod sql;
+pub(crate) mod sql;

@@ -25,7 +25,7 @@ use std::fmt;
 pub use decision::{Enter, FailurePolicy, TierDecision};
 pub(crate) use decision::{in_flight, payload_mismatch};
 pub use service::{BoxFuture, TierService};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use service::{behind, decide, store_unavailable, take_readied};
 
 /// A tier of the stack, named in outcomes, errors, metrics and logs.

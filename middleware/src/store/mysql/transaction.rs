@@ -81,15 +81,20 @@ impl OpenTransaction {
         })
     }
 
-    /// Claims `request`'s key as `SUCCESS`, inside the transaction.
+    /// Claims the keys of `requests` as `SUCCESS`, inside the transaction, one statement (or
+    /// three, for a key with a row) after another; answers per request.
     pub(crate) async fn claim(
         &self,
         statements: &Statements,
-        request: &ClaimRequest,
-    ) -> Result<Begin, StoreError> {
+        requests: &[ClaimRequest],
+    ) -> Result<Vec<Begin>, StoreError> {
         let mut slot = self.connection.lock().await;
         let connection = slot.as_mut().ok_or_else(|| StoreError::new(ended()))?;
-        claim(connection, statements, request, RecordStatus::Success).await
+        let mut answers = Vec::with_capacity(requests.len());
+        for request in requests {
+            answers.push(claim(connection, statements, request, RecordStatus::Success).await?);
+        }
+        Ok(answers)
     }
 
     /// Commits: `Ok` only when the server said it committed. A statement of the handler's
@@ -113,6 +118,13 @@ impl OpenTransaction {
             ));
         }
         self.end(connection, Ending::Commit).await.map_err(refused_commit)
+    }
+
+    /// Ends the transaction without waiting for what may still run on its connection: the
+    /// session is killed, which rolls it back.
+    pub(crate) async fn close(&self) {
+        self.cut_off.store(true, Ordering::Release);
+        self.roll_back().await;
     }
 
     /// Rolls back; the connection goes back to the pool only if that worked.

@@ -1,5 +1,6 @@
 //! The record tier on MySQL and MariaDB: the three-step store and the transactional mode.
 
+mod batched;
 mod transactional;
 
 use std::fmt;
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use sqlx::MySqlPool;
 
+pub use self::batched::{MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService};
 pub use self::transactional::{MysqlTransactionalLayer, MysqlTransactionalTicket};
 use super::Table;
 use super::claims::{Statements, claim, kept_error, key_of, read_record};

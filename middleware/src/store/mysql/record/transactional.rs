@@ -12,7 +12,7 @@ use crate::envelope::Envelope;
 use crate::error::StoreError;
 use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::{Outcome, RetryReason};
-use crate::record::TransactionSafe;
+use crate::record::{Begin, TransactionSafe};
 use crate::store::mysql::claims::{Statements, kept_error};
 use crate::store::mysql::transaction::{MysqlTransaction, OpenTransaction};
 use crate::store::mysql::{Table, lost_to_another_transaction};
@@ -80,14 +80,15 @@ use crate::tier::{Enter, Tier, TierDecision, TierService};
 /// # }
 /// ```
 ///
-/// Limits: business keys up to [`MYSQL_MAX_KEY_BYTES`](crate::record::MYSQL_MAX_KEY_BYTES);
-/// one delivery per transaction (no batched mode on MySQL yet).
+/// Limits: business keys up to [`MYSQL_MAX_KEY_BYTES`](crate::record::MYSQL_MAX_KEY_BYTES).
+/// One delivery per transaction; [`batched`](MysqlTransactionalLayer::batched) shares one
+/// among the deliveries in flight.
 #[derive(Clone)]
 pub struct MysqlTransactionalLayer {
-    pool: MySqlPool,
+    pub(super) pool: MySqlPool,
     table: Table,
-    statements: Arc<Statements>,
-    in_flight_delay: Duration,
+    pub(super) statements: Arc<Statements>,
+    pub(super) in_flight_delay: Duration,
 }
 
 impl MysqlTransactionalLayer {
@@ -134,7 +135,7 @@ impl MysqlTransactionalLayer {
 
     /// Records a failed attempt after the rollback, outside the transaction: best effort,
     /// for operators; the outcome does not depend on it.
-    async fn note_failure(&self, request: &ClaimRequest, error: &str) {
+    pub(super) async fn note_failed_attempt(&self, request: &ClaimRequest, error: &str) {
         let fingerprint = request.fingerprint.to_string();
         let error = kept_error(error);
         let noted = sqlx::query(&self.statements.note_failure)
@@ -198,9 +199,11 @@ impl TierDecision for MysqlTransactionalLayer {
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<MysqlTransactionalTicket>, StoreError> {
         let request = claim_request(envelope);
         let transaction = OpenTransaction::start(&self.pool).await?;
-        let claimed = transaction.claim(&self.statements, &request).await;
+        let claimed = transaction
+            .claim(&self.statements, std::slice::from_ref(&request))
+            .await;
         let begin = match claimed {
-            Ok(begin) => begin,
+            Ok(answers) => answers.into_iter().next().unwrap_or(Begin::InProgress),
             Err(error) => {
                 transaction.roll_back().await;
                 return match lost_to_another_claim(&error) {
@@ -239,7 +242,7 @@ impl TierDecision for MysqlTransactionalLayer {
             transaction.0.roll_back().await;
             outcome
         };
-        self.note_failure(&request, &failure.to_string()).await;
+        self.note_failed_attempt(&request, &failure.to_string()).await;
         Ok(failure)
     }
 }
@@ -247,7 +250,7 @@ impl TierDecision for MysqlTransactionalLayer {
 /// True when the claim failed because the server let another transaction through:
 /// copies racing to take over one `FAILURE` row each hold the shared lock of their
 /// duplicate-key check and ask for the exclusive one, and InnoDB rolls one back.
-fn lost_to_another_claim(error: &StoreError) -> bool {
+pub(super) fn lost_to_another_claim(error: &StoreError) -> bool {
     match error {
         StoreError::Failed { source } => source
             .downcast_ref::<sqlx::Error>()
@@ -257,7 +260,7 @@ fn lost_to_another_claim(error: &StoreError) -> bool {
 }
 
 /// Commits `transaction` unless a handle to it outlived the handler's answer.
-async fn commit(transaction: MysqlTransaction) -> Result<(), Outcome> {
+pub(super) async fn commit(transaction: MysqlTransaction) -> Result<(), Outcome> {
     // The envelope, and every handle in it, is gone once the stack has answered; a handle
     // still alive (kept in a spawned task, say) could write after the commit, outside the
     // record. Rolled back, its statements find no connection.

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
-pub use self::batched::{BatchAnswer, BatchHandler, PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
+pub use self::batched::{PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
 use self::coalesce::Coalescer;
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
 use crate::envelope::BusinessKey;

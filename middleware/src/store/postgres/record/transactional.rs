@@ -373,7 +373,7 @@ impl TierDecision for PgTransactionalLayer {
             end(transaction, ROLLBACK).await;
             outcome
         };
-        self.note_failure(&request, &failure.to_string()).await;
+        self.note_failed_attempt(&request, &failure.to_string()).await;
         Ok(failure)
     }
 }
@@ -381,7 +381,7 @@ impl TierDecision for PgTransactionalLayer {
 impl PgTransactionalLayer {
     /// Records a failed attempt after the rollback, outside the transaction: best effort,
     /// for operators; the outcome does not depend on it.
-    pub(super) async fn note_failure(&self, request: &ClaimRequest, error: &str) {
+    pub(super) async fn note_failed_attempt(&self, request: &ClaimRequest, error: &str) {
         let fence = request.fencing_token.map(to_i64);
         let fingerprint = request.fingerprint.to_string();
         let noted = Checkout::run(&self.pool, async |client| {

@@ -9,18 +9,17 @@ use futures_util::FutureExt;
 use tower_service::Service;
 use tracing::Instrument;
 
+use super::TransactionalRecord;
 use super::lane::{Ended, Joiner, Lanes, Word, Writer, Written};
 use crate::envelope::Envelope;
 use crate::error::BoxError;
 use crate::outcome::{Outcome, RetryReason};
 use crate::route::panicked;
-use crate::store::postgres::Checkout;
-use crate::store::postgres::record::PgTransaction;
 use crate::telemetry::Probe;
 use crate::tier::{BoxFuture, Tier, behind, decide, take_readied};
 
-/// One delivery's handler, ready to run in the batch's transaction.
-pub(super) type HandlerRun = Box<dyn FnOnce(PgTransaction) -> BoxFuture<Outcome> + Send>;
+/// One delivery's handler, ready to run in the batch's transaction, given its handle `H`.
+pub(super) type HandlerRun<H> = Box<dyn FnOnce(H) -> BoxFuture<Outcome> + Send>;
 
 /// Runs the group's handlers one after another, on the lane's own task (no hand-over
 /// between tasks per delivery), and stops at the first that fails: the batch is rolled back
@@ -31,15 +30,10 @@ pub(super) type HandlerRun = Box<dyn FnOnce(PgTransaction) -> BoxFuture<Outcome>
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Turns;
 
-impl Writer for Turns {
-    type Work = HandlerRun;
+impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
+    type Work = HandlerRun<H>;
 
-    async fn write(
-        &self,
-        transaction: &Arc<Checkout>,
-        group: Vec<Joiner<HandlerRun>>,
-        first: bool,
-    ) -> Written {
+    async fn write(&self, transaction: &H, group: Vec<Joiner<HandlerRun<H>>>, first: bool) -> Written {
         let mut written = Written {
             ended: Vec::with_capacity(group.len()),
             tainted: false,
@@ -64,7 +58,7 @@ impl Writer for Turns {
                 });
                 continue;
             }
-            let run = AssertUnwindSafe(work(PgTransaction(transaction.clone()))).catch_unwind();
+            let run = AssertUnwindSafe(work(transaction.clone())).catch_unwind();
             // A panic or a cut-off handler may leave a statement running: the connection is
             // closed, not rolled back.
             let mut outcome = tokio::select! {
@@ -92,40 +86,40 @@ impl Writer for Turns {
     }
 }
 
-/// The batched transactional record with the per-delivery handlers behind it (`S`); built by
-/// [`PgBatchedLayer`](super::PgBatchedLayer), which says how it batches.
-pub struct PgBatchedService<S> {
+/// The batched transactional record `R` with the per-delivery handlers behind it (`S`);
+/// built by [`BatchedLayer`](super::BatchedLayer), which says how it batches.
+pub struct BatchedService<S, R: TransactionalRecord> {
     inner: S,
-    lanes: Arc<Lanes<Turns>>,
+    lanes: Arc<Lanes<R, Turns>>,
 }
 
-impl<S> PgBatchedService<S> {
-    pub(super) fn new(inner: S, lanes: Lanes<Turns>) -> Self {
-        PgBatchedService {
+impl<S, R: TransactionalRecord> BatchedService<S, R> {
+    pub(super) fn new(inner: S, lanes: Lanes<R, Turns>) -> Self {
+        BatchedService {
             inner,
             lanes: Arc::new(lanes),
         }
     }
 }
 
-impl<S: Clone> Clone for PgBatchedService<S> {
+impl<S: Clone, R: TransactionalRecord> Clone for BatchedService<S, R> {
     fn clone(&self) -> Self {
-        PgBatchedService {
+        BatchedService {
             inner: self.inner.clone(),
             lanes: self.lanes.clone(),
         }
     }
 }
 
-impl<S> std::fmt::Debug for PgBatchedService<S> {
+impl<S, R: TransactionalRecord> std::fmt::Debug for BatchedService<S, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgBatchedService")
+        f.debug_struct("BatchedService")
             .field("record", self.lanes.record())
             .finish_non_exhaustive()
     }
 }
 
-impl<S> Service<Envelope> for PgBatchedService<S>
+impl<S, R: TransactionalRecord> Service<Envelope> for BatchedService<S, R>
 where
     S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
     S::Future: Send,
@@ -153,8 +147,9 @@ where
 
 /// One delivery's part in a batch: join with its handler's run, answer the batch's verdict
 /// — or run again alone if the batch was rolled back for another's failure.
-async fn take_part<S>(lanes: &Lanes<Turns>, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
+async fn take_part<S, R>(lanes: &Lanes<R, Turns>, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
 where
+    R: TransactionalRecord,
     S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Into<BoxError>,
@@ -164,7 +159,7 @@ where
     // The handler runs on the lane's task: it takes the delivery's span along, so that its
     // logs still name the route and the key.
     let span = tracing::Span::current();
-    let run: HandlerRun = Box::new(move |transaction| {
+    let run: HandlerRun<R::Handle> = Box::new(move |transaction| {
         Box::pin(
             async move {
                 let mut envelope = in_batch;

@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -10,20 +11,21 @@ use std::task::{Context, Poll};
 use futures_util::FutureExt;
 use tower_service::Service;
 
-use super::super::transactional::PgTransactionalLayer;
+use super::TransactionalRecord;
 use super::lane::{Ended, Joiner, Lanes, Limits, Word, Writer, Written};
 use crate::envelope::Envelope;
 use crate::handler::{Argument, HandlerError, InTransaction};
 use crate::outcome::Outcome;
 use crate::route::panicked;
-use crate::store::postgres::Checkout;
-use crate::store::postgres::record::PgTransaction;
 use crate::telemetry::Probe;
 use crate::tier::{BoxFuture, Tier, decide};
 
 /// A handler that writes the effects of many deliveries at once — one multi-row `INSERT`,
-/// one `UPDATE … FROM (VALUES …)` — in the batched record's transaction. Any
-/// `async fn(PgTransaction, Vec<Envelope>) -> Result<BatchAnswer, HandlerError>` is one.
+/// one `UPDATE … FROM (VALUES …)` — in the batched record's transaction `T`
+/// ([`PgTransaction`](crate::record::PgTransaction),
+/// [`MysqlTransaction`](crate::record::MysqlTransaction)). Any
+/// `async fn(PgTransaction, Vec<Envelope>) -> Result<BatchAnswer, HandlerError>` is one for
+/// PostgreSQL; the same with `MysqlTransaction` for MySQL.
 ///
 /// It receives the envelopes whose keys the batch claimed (never two of one key, never a
 /// duplicate of a settled key) and answers per envelope ([`BatchAnswer`]). When it answers
@@ -33,23 +35,23 @@ use crate::tier::{BoxFuture, Tier, decide};
 /// nothing outside the transaction, and an error of one envelope (a body that does not
 /// parse, say) may simply be returned with `?`: the envelopes that are fine are written on
 /// their second run, the bad one fails alone.
-pub trait BatchHandler: Send + Sync + 'static {
+pub trait BatchHandler<T>: Send + Sync + 'static {
     /// Writes the effects of `batch` in `transaction`, and answers per envelope.
     fn handle(
         &self,
-        transaction: PgTransaction,
+        transaction: T,
         batch: Vec<Envelope>,
     ) -> impl Future<Output = Result<BatchAnswer, HandlerError>> + Send;
 }
 
-impl<F, Fut> BatchHandler for F
+impl<F, Fut, T> BatchHandler<T> for F
 where
-    F: Fn(PgTransaction, Vec<Envelope>) -> Fut + Send + Sync + 'static,
+    F: Fn(T, Vec<Envelope>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<BatchAnswer, HandlerError>> + Send,
 {
     fn handle(
         &self,
-        transaction: PgTransaction,
+        transaction: T,
         batch: Vec<Envelope>,
     ) -> impl Future<Output = Result<BatchAnswer, HandlerError>> + Send {
         self(transaction, batch)
@@ -104,13 +106,13 @@ impl<H> Clone for SetWriter<H> {
     }
 }
 
-impl<H: BatchHandler> Writer for SetWriter<H> {
+impl<T: Clone + Send + Sync + 'static, H: BatchHandler<T>> Writer<T> for SetWriter<H> {
     type Work = ();
 
-    async fn write(&self, transaction: &Arc<Checkout>, group: Vec<Joiner<()>>, first: bool) -> Written {
+    async fn write(&self, transaction: &T, group: Vec<Joiner<()>>, first: bool) -> Written {
         let envelopes = group.iter().map(|joiner| joiner.envelope.clone()).collect();
         // Inside the async block, a panic before the handler's first await is caught too.
-        let call = async { self.0.handle(PgTransaction(transaction.clone()), envelopes).await };
+        let call = async { self.0.handle(transaction.clone(), envelopes).await };
         let answer = AssertUnwindSafe(call).catch_unwind().await;
         let (whole_batch_failed, tainted) = match answer {
             Ok(Ok(answer)) => match answer.into_outcomes(group.len()) {
@@ -143,39 +145,39 @@ impl<H: BatchHandler> Writer for SetWriter<H> {
     }
 }
 
-/// The batched transactional record with a set handler; built by
-/// [`PgBatchedLayer::batch_handler`](super::PgBatchedLayer::batch_handler). Each call is one
+/// The batched transactional record `R` with a set handler; built by
+/// [`BatchedLayer::batch_handler`](super::BatchedLayer::batch_handler). Each call is one
 /// delivery, which joins a batch and answers its own outcome.
-pub struct PgBatchHandlerService<H: BatchHandler> {
-    lanes: Arc<Lanes<SetWriter<H>>>,
+pub struct BatchHandlerService<H: BatchHandler<R::Handle>, R: TransactionalRecord> {
+    lanes: Arc<Lanes<R, SetWriter<H>>>,
 }
 
-impl<H: BatchHandler> PgBatchHandlerService<H> {
-    pub(super) fn new(handler: H, record: PgTransactionalLayer, limits: Limits) -> Self {
+impl<H: BatchHandler<R::Handle>, R: TransactionalRecord> BatchHandlerService<H, R> {
+    pub(super) fn new(handler: H, record: R, limits: Limits) -> Self {
         let writer = SetWriter(Arc::new(handler));
-        PgBatchHandlerService {
+        BatchHandlerService {
             lanes: Arc::new(Lanes::new(record, writer, limits)),
         }
     }
 }
 
-impl<H: BatchHandler> Clone for PgBatchHandlerService<H> {
+impl<H: BatchHandler<R::Handle>, R: TransactionalRecord> Clone for BatchHandlerService<H, R> {
     fn clone(&self) -> Self {
-        PgBatchHandlerService {
+        BatchHandlerService {
             lanes: self.lanes.clone(),
         }
     }
 }
 
-impl<H: BatchHandler> std::fmt::Debug for PgBatchHandlerService<H> {
+impl<H: BatchHandler<R::Handle>, R: TransactionalRecord> std::fmt::Debug for BatchHandlerService<H, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgBatchHandlerService")
+        f.debug_struct("BatchHandlerService")
             .field("record", self.lanes.record())
             .finish_non_exhaustive()
     }
 }
 
-impl<H: BatchHandler> Service<Envelope> for PgBatchHandlerService<H> {
+impl<H: BatchHandler<R::Handle>, R: TransactionalRecord> Service<Envelope> for BatchHandlerService<H, R> {
     type Response = Outcome;
     type Error = Infallible;
     type Future = BoxFuture<Result<Outcome, Infallible>>;
@@ -195,7 +197,7 @@ impl<H: BatchHandler> Service<Envelope> for PgBatchHandlerService<H> {
                 }
                 Word::Answer(outcome) => outcome,
                 Word::Alone => {
-                    let one_by_one = OneByOne(lanes.writer().0.clone());
+                    let one_by_one = OneByOne::<H, R::Handle>(lanes.writer().0.clone(), PhantomData);
                     decide(lanes.record(), one_by_one, envelope, &probe).await
                 }
             };
@@ -205,10 +207,11 @@ impl<H: BatchHandler> Service<Envelope> for PgBatchHandlerService<H> {
     }
 }
 
-/// The set handler as a per-delivery handler, for a delivery that runs alone: a batch of one.
-struct OneByOne<H>(Arc<H>);
+/// The set handler as a per-delivery handler, for a delivery that runs alone: a batch of one,
+/// in the transaction `T` the per-delivery tier hands it.
+struct OneByOne<H, T>(Arc<H>, PhantomData<fn(T)>);
 
-impl<H: BatchHandler> Service<Envelope> for OneByOne<H> {
+impl<T: Argument<InTransaction> + 'static, H: BatchHandler<T>> Service<Envelope> for OneByOne<H, T> {
     type Response = Outcome;
     type Error = Infallible;
     type Future = BoxFuture<Result<Outcome, Infallible>>;
@@ -220,7 +223,7 @@ impl<H: BatchHandler> Service<Envelope> for OneByOne<H> {
     fn call(&mut self, envelope: Envelope) -> Self::Future {
         let handler = self.0.clone();
         Box::pin(async move {
-            let transaction = match <PgTransaction as Argument<InTransaction>>::take(&envelope) {
+            let transaction = match T::take(&envelope) {
                 Ok(transaction) => transaction,
                 Err(outcome) => return Ok(outcome),
             };

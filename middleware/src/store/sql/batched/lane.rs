@@ -10,14 +10,11 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::super::transactional::{
-    PgTransactionalLayer, ROLLBACK, abandon, claim_request, commit, end, open,
-};
+use super::TransactionalRecord;
 use crate::envelope::{BusinessKey, Envelope};
 use crate::outcome::{Outcome, RetryReason};
-use crate::record::{Begin, RecordStatus};
-use crate::store::postgres::claims::{ClaimRequest, claim_batch};
-use crate::store::postgres::{Checkout, lost_to_another_transaction};
+use crate::record::Begin;
+use crate::store::sql::{ClaimRequest, claim_request};
 use crate::tier::{Tier, store_unavailable};
 
 /// How big and how long a batch may grow, and how many run at once.
@@ -84,8 +81,8 @@ pub(super) struct Written {
 }
 
 /// How a batch's effects are written: the per-delivery handlers one after another, or a set
-/// handler once for all — on the lane's task.
-pub(super) trait Writer: Send + Sync + 'static {
+/// handler once for all — on the lane's task, through the transaction's handle `H`.
+pub(super) trait Writer<H>: Send + Sync + 'static {
     /// What a delivery brings to its batch besides its envelope: its handler's run (nothing,
     /// for a set handler).
     type Work: Send + 'static;
@@ -97,7 +94,7 @@ pub(super) trait Writer: Send + Sync + 'static {
     /// failure is reported as "did not run", and the delivery runs again alone.
     fn write(
         &self,
-        transaction: &Arc<Checkout>,
+        transaction: &H,
         group: Vec<Joiner<Self::Work>>,
         first: bool,
     ) -> impl Future<Output = Written> + Send;
@@ -105,15 +102,15 @@ pub(super) trait Writer: Send + Sync + 'static {
 
 /// The lanes of one layer, shared by its services' clones. They start on the Tokio runtime
 /// of the first delivery and stop once every clone is dropped and they are idle.
-pub(super) struct Lanes<W: Writer> {
-    record: PgTransactionalLayer,
+pub(super) struct Lanes<R: TransactionalRecord, W: Writer<R::Handle>> {
+    record: R,
     writer: W,
     limits: Limits,
     queue: OnceLock<mpsc::Sender<Joiner<W::Work>>>,
 }
 
-impl<W: Writer + Clone> Lanes<W> {
-    pub(super) fn new(record: PgTransactionalLayer, writer: W, limits: Limits) -> Self {
+impl<R: TransactionalRecord, W: Writer<R::Handle> + Clone> Lanes<R, W> {
+    pub(super) fn new(record: R, writer: W, limits: Limits) -> Self {
         Lanes {
             record,
             writer,
@@ -123,7 +120,7 @@ impl<W: Writer + Clone> Lanes<W> {
     }
 
     /// The per-delivery transactional tier the batches are made of: how a delivery runs alone.
-    pub(super) fn record(&self) -> &PgTransactionalLayer {
+    pub(super) fn record(&self) -> &R {
         &self.record
     }
 
@@ -174,8 +171,8 @@ impl<W: Writer + Clone> Lanes<W> {
 }
 
 /// What every lane of one layer shares.
-struct Lane<W: Writer> {
-    record: PgTransactionalLayer,
+struct Lane<R: TransactionalRecord, W: Writer<R::Handle>> {
+    record: R,
     writer: W,
     limits: Limits,
     /// Idle lanes wait here for the first delivery of their next batch; a busy lane only
@@ -192,7 +189,7 @@ enum Ending {
     Close,
 }
 
-impl<W: Writer> Lane<W> {
+impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
     async fn run(self: Arc<Self>) {
         let mut later = Vec::new();
         loop {
@@ -242,12 +239,12 @@ impl<W: Writer> Lane<W> {
             return later;
         }
         let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
-        let (transaction, claimed) = match open(&self.record.pool, &self.record.statements, &requests).await {
+        let (mut transaction, answers) = match self.record.open(&requests).await {
             Ok(opened) => opened,
             // Another lane's joiners locked keys in another order, and PostgreSQL broke the
             // deadlock by failing this claim: nothing is wrong with the store or the
             // deliveries, which run alone as a batch's do when it fails for no fault of theirs.
-            Err(error) if lost_to_another_transaction(&error) => {
+            Err(error) if R::lost_to_another_transaction(&error) => {
                 tracing::debug!(%error, "a batch lost its claim to another transaction; its deliveries run alone");
                 for joiner in fresh {
                     let _ = joiner.reply.send(Word::Alone);
@@ -259,12 +256,13 @@ impl<W: Writer> Lane<W> {
                 return later;
             }
         };
-        let mut xid = claimed.transaction_id;
-        let mut group = self.admit(fresh, claimed.answers);
+        let mut group = self.admit(fresh, answers);
         let mut ended = Vec::new();
         let mut ending = Ending::Commit;
         loop {
-            let written = self.writer.write(&transaction, group, ended.is_empty()).await;
+            let handle = R::handle(&transaction);
+            let written = self.writer.write(&handle, group, ended.is_empty()).await;
+            drop(handle);
             let failed = written.ended.iter().any(|ended| !ended.succeeded());
             ended.extend(written.ended);
             if written.tainted {
@@ -289,17 +287,9 @@ impl<W: Writer> Lane<W> {
                 break;
             }
             let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
-            match claim_batch(
-                transaction.client(),
-                &self.record.statements,
-                &requests,
-                RecordStatus::Success,
-            )
-            .await
-            {
-                Ok(claimed) => {
-                    xid = xid.or(claimed.transaction_id);
-                    group = self.admit(fresh, claimed.answers);
+            match self.record.claim_more(&mut transaction, &requests).await {
+                Ok(answers) => {
+                    group = self.admit(fresh, answers);
                 }
                 Err(error) => {
                     // The transaction is aborted (a deadlock with another lane, a lost
@@ -313,7 +303,7 @@ impl<W: Writer> Lane<W> {
                 }
             }
         }
-        self.settle(transaction, xid, ended, ending).await;
+        self.settle(transaction, ended, ending).await;
         later
     }
 
@@ -324,7 +314,7 @@ impl<W: Writer> Lane<W> {
         let mut claimed = Vec::with_capacity(fresh.len());
         for (joiner, begin) in fresh.into_iter().zip(answers) {
             let request = &joiner.request;
-            match begin.into_attempt(&request.key, request.fingerprint, self.record.in_flight_delay) {
+            match begin.into_attempt(&request.key, request.fingerprint, self.record.in_flight_delay()) {
                 Ok(_) => claimed.push(joiner),
                 Err(stop) => {
                     let _ = joiner.reply.send(Word::Answer(stop));
@@ -335,19 +325,13 @@ impl<W: Writer> Lane<W> {
     }
 
     /// Ends the transaction and tells every delivery of the batch its last word.
-    async fn settle(
-        &self,
-        transaction: Arc<Checkout>,
-        xid: Option<i64>,
-        mut ended: Vec<Ended>,
-        ending: Ending,
-    ) {
-        let committed = match (ending, xid) {
-            (Ending::Commit, _) if ended.is_empty() => {
-                end(transaction, ROLLBACK).await;
+    async fn settle(&self, transaction: R::Open, mut ended: Vec<Ended>, ending: Ending) {
+        let committed = match ending {
+            Ending::Commit if ended.is_empty() => {
+                self.record.roll_back(transaction).await;
                 true
             }
-            (Ending::Commit, Some(xid)) => match commit(transaction, xid).await {
+            Ending::Commit => match self.record.commit(transaction).await {
                 Ok(()) => true,
                 // A batch of one failed to commit for its only delivery's sake (or nobody
                 // knows whether it committed): it answers as it would alone.
@@ -360,16 +344,12 @@ impl<W: Writer> Lane<W> {
                     false
                 }
             },
-            (Ending::Commit | Ending::Rollback, _) => {
-                end(transaction, ROLLBACK).await;
+            Ending::Rollback => {
+                self.record.roll_back(transaction).await;
                 false
             }
-            (Ending::Close, _) => {
-                match Arc::try_unwrap(transaction) {
-                    // Dropped unmarked, the connection is closed.
-                    Ok(transaction) => drop(transaction),
-                    Err(held) => abandon(held).await,
-                }
+            Ending::Close => {
+                self.record.close(transaction).await;
                 false
             }
         };
