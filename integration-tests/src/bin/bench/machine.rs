@@ -33,6 +33,7 @@ pub(crate) fn machine() -> String {
     let _ = writeln!(out, "| kernel | {} |", read("/proc/sys/kernel/osrelease").trim());
     let _ = writeln!(out, "| Redis | {} |", first_line("redis-server", &["--version"]));
     let _ = writeln!(out, "| PostgreSQL | {} |", first_line("psql", &["--version"]));
+    let _ = writeln!(out, "| MariaDB | {} |", first_line("mariadb", &["--version"]));
     let _ = writeln!(out, "| RabbitMQ | {} |", first_line("rabbitmqctl", &["version"]));
     let _ = writeln!(out, "| rustc | {} |", first_line("rustc", &["--version"]));
     out

@@ -1,5 +1,5 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench --
-//! [all|redis|postgres|amqp|rocketmq|prefilter]...`; every benchmark when none is named).
+//! [all|redis|postgres|mysql|amqp|rocketmq|prefilter]...`; every benchmark when none is named).
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
 //! run, prints a table per benchmark with the ratio, and writes them to `BENCHMARKS.md` with
@@ -11,6 +11,9 @@
 //! - `postgres` ([`postgres_record`]): three-step record claims, single-row next to
 //!   coalesced; the transactional record, one transaction per delivery next to batched with
 //!   per-delivery handlers and with a batch handler;
+//! - `mysql` ([`mysql_record`]): the same record benchmarks on MariaDB or MySQL: three-step
+//!   claims next to the raw `INSERT` they are made of, and the transactional record per
+//!   delivery next to batched;
 //! - `amqp` ([`amqp_end_to_end`]): end-to-end messages per second through the RabbitMQ
 //!   runner with no tiers, with the Redis flag, and with the full stack (the record per
 //!   delivery, batched, batched with a batch handler), next to a raw lapin consumer;
@@ -28,6 +31,7 @@ mod amqp_end_to_end;
 mod chart;
 mod machine;
 mod measure;
+mod mysql_record;
 mod postgres_record;
 mod prefilter;
 mod redis_flag;
@@ -58,6 +62,8 @@ enum Benchmark {
     Redis,
     /// PostgreSQL record claims, coalesced against single-row.
     Postgres,
+    /// MariaDB/MySQL record claims against raw inserts, and the transactional record.
+    Mysql,
     /// RabbitMQ end to end, the runner with tiers against a raw lapin consumer.
     Amqp,
     /// RocketMQ end to end, the concurrent listener with the full stack against a raw one.
@@ -68,9 +74,10 @@ enum Benchmark {
 
 impl Benchmark {
     /// The benchmarks in the order they run.
-    const EACH: [Benchmark; 5] = [
+    const EACH: [Benchmark; 6] = [
         Benchmark::Redis,
         Benchmark::Postgres,
+        Benchmark::Mysql,
         Benchmark::Amqp,
         Benchmark::Rocketmq,
         Benchmark::Prefilter,
@@ -91,6 +98,7 @@ impl Benchmark {
             Benchmark::All => {}
             Benchmark::Redis => redis_flag::run(report).await,
             Benchmark::Postgres => postgres_record::run(report).await,
+            Benchmark::Mysql => mysql_record::run(report).await,
             Benchmark::Amqp => amqp_end_to_end::run(report).await,
             Benchmark::Rocketmq => rocketmq_end_to_end::run(report).await,
             Benchmark::Prefilter => prefilter::run(report).await,

@@ -1,0 +1,153 @@
+//! `mysql`: the record tier on MariaDB (or MySQL, on `MYSQL_URL`), in a database of the
+//! bench's own: three-step claims next to the raw `INSERT` they are made of; and the
+//! transactional record with an effect row written in its XA transaction, one transaction
+//! per delivery next to batched, with per-delivery handlers and with a set handler.
+
+use std::time::Duration;
+
+use integration_tests::mysql::StockDatabase;
+use integration_tests::postgres::boxed;
+use oncely::mysql::sqlx::{self, MySqlPool};
+use oncely::record::{BatchAnswer, MysqlRecordStore, MysqlTransaction, MysqlTransactionalLayer, RecordStore};
+use oncely::{
+    BusinessKey, Delivery, Envelope, Fingerprint, HandlerError, KeyExtractor, Outcome, Route, Source,
+};
+
+use crate::measure::{Op, compare_at_each_level, op};
+use crate::report::{Plot, Report, Row, Section, Target};
+
+/// Both MySQL record benchmarks.
+pub(crate) async fn run(report: &mut Report) {
+    claims(report).await;
+    transactions(report).await;
+}
+
+/// Measures three-step claims against the raw `INSERT` of a key at each in-flight level, on
+/// a pool of 16.
+async fn claims(report: &mut Report) {
+    let database = StockDatabase::new().await;
+    let pool = database.pool(16).await;
+    sqlx::raw_sql("CREATE TABLE raw_keys (message_key VARBINARY(1024) NOT NULL PRIMARY KEY) ENGINE = InnoDB")
+        .execute(&pool)
+        .await
+        .expect("the raw table");
+    let raw = op(pool.clone(), |pool, i| async move {
+        sqlx::query("INSERT INTO raw_keys (message_key) VALUES (?)")
+            .bind(i.to_string())
+            .execute(&pool)
+            .await
+            .expect("insert");
+    });
+    let store = MysqlRecordStore::new(pool, StockDatabase::records());
+    let claim = op(store, |store, i| async move {
+        let lease = Duration::from_secs(60);
+        let key = BusinessKey::new(i.to_string());
+        store
+            .begin(&key, Fingerprint::of(b"bench"), lease, None)
+            .await
+            .expect("claim");
+    });
+    let name = "record claim (INSERT … PROCESSING)";
+    let nothing = op((), |(), _| async {});
+    let rows = compare_at_each_level(&nothing, &raw, &[(name, claim)]).await;
+    report.add_target(Target {
+        what: "MariaDB record claims at 64 in flight",
+        ratio: Row::last_ratio(&rows, name),
+        baseline: "raw INSERT of a key",
+        at_least: 0.8,
+    });
+    report.add(Section {
+        title: "MariaDB record tier (three-step claims, pool of 16)".into(),
+        baseline_name: "raw INSERT of a key, autocommit",
+        unit: None,
+        rows,
+        note: None,
+        plot: Plot::Curves("MariaDB: "),
+    });
+}
+
+/// How the transactional record commits the deliveries it is given.
+#[derive(Clone, Copy)]
+enum Commits {
+    /// The baseline: one XA transaction per delivery.
+    PerDelivery,
+    /// Batched, each delivery's handler writing its row.
+    Batched,
+    /// Batched, one set handler writing the rows of the whole batch.
+    BatchHandler,
+}
+
+impl Commits {
+    fn name(self) -> &'static str {
+        match self {
+            Commits::PerDelivery => "transactional record, one transaction per delivery",
+            Commits::Batched => "batched record, per-delivery handler",
+            Commits::BatchHandler => "batched record, batch handler",
+        }
+    }
+
+    /// A delivery of a new order through the record in this mode to a handler writing its
+    /// stock move in the record's transaction, answered processed.
+    fn op(self, pool: &MySqlPool) -> Op {
+        let per_delivery = MysqlTransactionalLayer::new(pool.clone(), StockDatabase::records());
+        let route = match self {
+            Commits::PerDelivery => boxed(per_delivery.handler(stock_move)),
+            Commits::Batched => boxed(per_delivery.batched().handler(stock_move)),
+            Commits::BatchHandler => boxed(per_delivery.batched().batch_handler(stock_moves)),
+        };
+        let route = Route::new("bench", KeyExtractor::json_pointer("/orderId"), route);
+        op(route, |route, i| async move {
+            let body = format!(r#"{{"orderId":"{i}"}}"#);
+            let outcome = route.handle(Delivery::new(Source::new("bench"), body)).await;
+            assert_eq!(outcome, Outcome::Processed);
+        })
+    }
+}
+
+/// The effect: the order's stock move, in the record's transaction.
+async fn stock_move(tx: MysqlTransaction, order: BusinessKey) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO stock_moves (order_id) VALUES (?)")
+        .bind(order.as_str())
+        .execute(&tx)
+        .await?;
+    Ok(())
+}
+
+/// The effects of a whole batch in one multi-row `INSERT`.
+async fn stock_moves(tx: MysqlTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {
+    let mut insert = sqlx::QueryBuilder::new("INSERT INTO stock_moves (order_id) ");
+    insert.push_values(&batch, |mut row, envelope| {
+        row.push_bind(envelope.key().as_str().to_owned());
+    });
+    insert.build().execute(&tx).await?;
+    Ok(BatchAnswer::processed())
+}
+
+/// Measures the batched record, with either handler, against one transaction per delivery
+/// at each in-flight level, on a pool of 16, and adds the table and the batching's targets.
+async fn transactions(report: &mut Report) {
+    let database = StockDatabase::new().await;
+    let pool = database.pool(16).await;
+    let nothing = op((), |(), _| async {});
+    let measured =
+        [Commits::Batched, Commits::BatchHandler].map(|commits| (commits.name(), commits.op(&pool)));
+    let rows = compare_at_each_level(&nothing, &Commits::PerDelivery.op(&pool), &measured).await;
+    report.add_target(Target {
+        what: "MariaDB batched record at 64 in flight",
+        ratio: Row::last_ratio(&rows, Commits::Batched.name()),
+        baseline: "one transaction per delivery",
+        at_least: 3.0,
+    });
+    report.add(Section {
+        title: "MariaDB transactional record (a stock-move row written in the XA transaction, pool of 16)"
+            .into(),
+        baseline_name: Commits::PerDelivery.name(),
+        unit: None,
+        rows,
+        note: Some(
+            "The batched record's defaults: 4 lanes, batches of at most 16, joiners taken in for 10 ms."
+                .into(),
+        ),
+        plot: Plot::Curves("MariaDB: "),
+    });
+}
