@@ -663,3 +663,54 @@ async fn a_batch_handler_writes_each_order_once() {
     assert_eq!(processed, 64);
     assert_eq!(database.all_moves().await, 64);
 }
+
+/// A set handler is never called with an empty batch: a lane whose claims all found their
+/// keys done (copies) has nothing to write — a multi-row `INSERT` of no rows would fail, and
+/// with it the joiners the lane takes in next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handler_is_never_called_with_no_envelopes() {
+    let database = StockDatabase::new().await;
+    let records = MysqlTransactionalLayer::new(database.pool(8).await, StockDatabase::records()).batched();
+    let empty_calls = Arc::new(AtomicUsize::new(0));
+    let counted = empty_calls.clone();
+    let stock_moves = move |tx: MysqlTransaction, batch: Vec<Envelope>| {
+        let counted = counted.clone();
+        async move {
+            if batch.is_empty() {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+            for envelope in &batch {
+                sqlx::query("INSERT INTO stock_moves (order_id) VALUES (?)")
+                    .bind(envelope.key().as_str())
+                    .execute(&tx)
+                    .await?;
+            }
+            Ok(BatchAnswer::processed())
+        }
+    };
+    let stack = boxed(records.batch_handler(stock_moves));
+    let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
+    assert_eq!(route.handle(order("o-done")).await, Outcome::Processed);
+    for round in 0..8 {
+        let deliveries: Vec<_> = (0..16)
+            .map(|i| {
+                let route = route.clone();
+                let id = match i % 2 {
+                    0 => "o-done".to_owned(),
+                    _ => format!("o-{round}-{i}"),
+                };
+                tokio::spawn(async move { (route.handle(order(&id)).await, id) })
+            })
+            .collect();
+        for delivery in deliveries {
+            let (outcome, id) = delivery.await.unwrap();
+            let expected = match id.as_str() {
+                "o-done" => Outcome::Duplicate { tier: Tier::Record },
+                _ => Outcome::Processed,
+            };
+            assert_eq!(outcome, expected, "{id}");
+        }
+    }
+    assert_eq!(empty_calls.load(Ordering::SeqCst), 0);
+    assert_eq!(database.all_moves().await, 1 + 8 * 8);
+}

@@ -162,9 +162,9 @@ where
     }
 
     /// How many deliveries are handled at once. They are also what a batched record
-    /// (oncely's `PgBatchedLayer`) batches: the deliveries in flight together share its
-    /// transactions, so keep the prefetch and this at or above its maximum batch. Each is
-    /// acked only once its stack answered, after its batch's commit.
+    /// (oncely's `BatchedLayer`, on PostgreSQL or MySQL) batches: the deliveries in flight
+    /// together share its transactions, so keep the prefetch and this at or above its maximum
+    /// batch. Each is acked only once its stack answered, after its batch's commit.
     pub fn with_concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.clamp(1, Semaphore::MAX_PERMITS);
         self

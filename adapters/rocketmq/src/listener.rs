@@ -27,7 +27,7 @@ use crate::drain::Progress;
 ///
 /// A batch (`consume_message_batch_max_size` > 1) is settled as one, as RocketMQ's status
 /// is per batch: every message of it is run, all at once — behind a
-/// oncely's `PgBatchedLayer` they join one transaction when a lane is
+/// oncely's `BatchedLayer` (PostgreSQL or MySQL) they join one transaction when a lane is
 /// free, so the batch commits once — and if any needs a retry, the whole batch comes
 /// back; the ones already done then answer `Duplicate`. A dead letter written for such a
 /// batch may be written again when the batch returns.

@@ -18,7 +18,7 @@
 //!
 //! # What it guarantees alone, and what it relies on
 //! The record is the final word on "was this key processed". With a backend whose record
-//! and business write commit together (the PostgreSQL tier's transactional mode), every
+//! and business write commit together (the transactional modes on PostgreSQL and MySQL), every
 //! effect is applied exactly once. With separate steps, as here, a crash between the
 //! handler's effect and `SUCCESS` leaves the record `PROCESSING`: after the lease a retry
 //! takes over and the handler runs again, unless a reconciler or an idempotent handler

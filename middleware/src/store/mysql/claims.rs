@@ -2,11 +2,12 @@
 //! record modes run: the three-step store in autocommit, the transactional tier inside its
 //! transaction. Whoever changes the table's meaning changes it here.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use sqlx::mysql::MySqlRow;
-use sqlx::{MySqlConnection, Row};
+use sqlx::{Executor, MySqlConnection, Row};
 
 use super::Table;
 use crate::envelope::BusinessKey;
@@ -52,7 +53,11 @@ pub(crate) struct Statements {
     /// The reconciler's verdict on one stuck row, only if it is still that stuck attempt.
     /// `?` status, error, key, retry count.
     pub(crate) settle_stuck: String,
-    /// Deletes up to 5,000 `SUCCESS` rows not updated for `?` µs.
+    /// The head of a multi-row claim of new keys: `INSERT IGNORE INTO {table} (columns)
+    /// VALUES `, the rows follow as literals ([`claim_new_keys`]).
+    insert_new_head: String,
+    /// Deletes up to 5,000 `SUCCESS` rows not updated for `?` µs, oldest first (an ordered
+    /// `LIMIT` is deterministic, so statement-based replication may log it).
     pub(crate) purge: String,
 }
 
@@ -120,10 +125,15 @@ impl Statements {
                  WHERE message_key = ? AND retry_count = ? AND status = 'PROCESSING'
                    AND lease_until < UTC_TIMESTAMP(6)"
             ),
+            insert_new_head: format!(
+                "INSERT IGNORE INTO {table}
+                     (message_key, status, payload_fingerprint, fencing_token, lease_until, created_at, updated_at)
+                 VALUES "
+            ),
             purge: format!(
                 "DELETE FROM {table}
                  WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-                 LIMIT 5000"
+                 ORDER BY updated_at LIMIT 5000"
             ),
         })
     }
@@ -235,6 +245,56 @@ async fn take_over(
     Ok(Begin::Started {
         attempt: retry_count + 1,
     })
+}
+
+/// Claims every key of `requests` with `status` in one round trip when all are new — the
+/// common case for a batch — inside the caller's transaction: a savepoint, then one
+/// multi-row `INSERT IGNORE`. `None` when some key already has a row: the insert is undone to
+/// the savepoint, and the caller claims each key on its own ([`claim`]).
+///
+/// Sent as text with the values as literals (keys in hex, fingerprints in hex digits,
+/// numbers, a status from the enum): a savepoint cannot be prepared, and one text query
+/// carries both statements. `IGNORE` turns a duplicate key into "not inserted"; it would also
+/// turn a value the column cannot hold into a warning, which none of these can be (keys are
+/// checked against the column's length first).
+pub(crate) async fn claim_new_keys(
+    connection: &mut MySqlConnection,
+    statements: &Statements,
+    requests: &[ClaimRequest],
+    status: RecordStatus,
+) -> Result<Option<Vec<Begin>>, StoreError> {
+    let mut sql = format!("SAVEPOINT oncely_claims; {}", statements.insert_new_head);
+    for (i, request) in requests.iter().enumerate() {
+        check_key_len(&request.key)?;
+        let literal = |value: Option<i64>| value.map_or_else(|| "NULL".to_owned(), |value| value.to_string());
+        let _ = write!(
+            sql,
+            "{separator}(X'{key}', '{status}', '{fingerprint}', {fence}, UTC_TIMESTAMP(6) + INTERVAL {lease} MICROSECOND, \
+             UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+            separator = if i == 0 { "" } else { ", " },
+            key = hex(request.key.as_str().as_bytes()),
+            status = status.as_str(),
+            fingerprint = request.fingerprint,
+            fence = literal(request.fencing_token.map(to_i64)),
+            lease = literal(request.lease.map(micros)),
+        );
+    }
+    let inserted = connection.execute(sqlx::raw_sql(&sql)).await?;
+    if inserted.rows_affected() == requests.len() as u64 {
+        return Ok(Some(vec![Begin::Started { attempt: 1 }; requests.len()]));
+    }
+    connection.execute("ROLLBACK TO SAVEPOINT oncely_claims").await?;
+    Ok(None)
+}
+
+/// `bytes` as hex digits, for an `X'…'` literal.
+fn hex(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut out, byte| {
+            let _ = write!(out, "{byte:02x}");
+            out
+        })
 }
 
 /// A `message_key` column's bytes as a key.

@@ -19,7 +19,7 @@ use sqlx::mysql::{MySqlQueryResult, MySqlRow, MySqlStatement, MySqlTypeInfo};
 use sqlx::pool::PoolConnection;
 use sqlx::{ConnectOptions, Connection, Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
 
-use super::claims::{Statements, claim};
+use super::claims::{Statements, claim, claim_new_keys};
 use super::lost_to_another_transaction;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
@@ -81,15 +81,22 @@ impl OpenTransaction {
         })
     }
 
-    /// Claims the keys of `requests` as `SUCCESS`, inside the transaction, one statement (or
-    /// three, for a key with a row) after another; answers per request.
+    /// Claims the keys of `requests` as `SUCCESS`, inside the transaction: all in one round
+    /// trip when every key is new, else one statement (or three, for a key with a row) after
+    /// another; answers per request.
     pub(crate) async fn claim(
         &self,
         statements: &Statements,
         requests: &[ClaimRequest],
     ) -> Result<Vec<Begin>, StoreError> {
-        let mut slot = self.connection.lock().await;
+        let mut slot = self.lock().await.map_err(StoreError::new)?;
         let connection = slot.as_mut().ok_or_else(|| StoreError::new(ended()))?;
+        if requests.len() > 1
+            && let Some(answers) =
+                claim_new_keys(connection, statements, requests, RecordStatus::Success).await?
+        {
+            return Ok(answers);
+        }
         let mut answers = Vec::with_capacity(requests.len());
         for request in requests {
             answers.push(claim(connection, statements, request, RecordStatus::Success).await?);
@@ -120,11 +127,27 @@ impl OpenTransaction {
         self.end(connection, Ending::Commit).await.map_err(refused_commit)
     }
 
-    /// Ends the transaction without waiting for what may still run on its connection: the
-    /// session is killed, which rolls it back.
+    /// Ends the transaction without waiting for what may still run on its connection (a
+    /// statement of a handle kept elsewhere, say): the session is killed first, which fails
+    /// that statement at once and rolls the transaction back.
     pub(crate) async fn close(&self) {
         self.cut_off.store(true, Ordering::Release);
+        self.kill();
         self.roll_back().await;
+    }
+
+    /// The connection, unless a statement was cut off on it: its answer may still be on the
+    /// way, and a next statement would first wait for it — possibly for the lock wait
+    /// timeout. Nothing more runs on such a connection; the tier kills its session.
+    async fn lock(&self) -> Result<tokio::sync::MutexGuard<'_, Option<PoolConnection<MySql>>>, sqlx::Error> {
+        if self.cut_off.load(Ordering::Acquire) {
+            return Err(cut_off());
+        }
+        let slot = self.connection.lock().await;
+        match self.cut_off.load(Ordering::Acquire) {
+            true => Err(cut_off()),
+            false => Ok(slot),
+        }
     }
 
     /// Rolls back; the connection goes back to the pool only if that worked.
@@ -181,8 +204,9 @@ impl OpenTransaction {
         }
     }
 
-    /// The first failure the handler's statements met, if any.
-    fn failure(&self) -> Option<String> {
+    /// The first failure the handler's statements met, if any: the transaction can no longer
+    /// commit.
+    pub(crate) fn failure(&self) -> Option<String> {
         self.failure
             .lock()
             .map(|failure| failure.clone())
@@ -288,6 +312,14 @@ fn refused_commit(error: sqlx::Error) -> Outcome {
 
 fn store_lost(detail: impl Into<String>) -> Outcome {
     Outcome::retry_later(RetryReason::StoreUnavailable(crate::Tier::Record), detail, None)
+}
+
+/// What a statement finds on a connection where an earlier one was cut off.
+fn cut_off() -> sqlx::Error {
+    sqlx::Error::Protocol(
+        "a statement of the handler was cut off before it finished: nothing more runs in this transaction"
+            .into(),
+    )
 }
 
 /// What a statement through a handle finds once the tier has ended the transaction.
@@ -400,15 +432,19 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
         E: 'q + Execute<'q, MySql>,
     {
         let answers = async move {
-            let mut slot = self.0.connection.lock().await;
-            let in_flight = InFlight::start(&self.0);
-            let answers: Result<Vec<_>, sqlx::Error> = match slot.as_mut() {
-                // The first error ends the stream; it is the answer to note.
-                Some(connection) => connection.fetch_many(query).try_collect().await,
-                None => Err(ended()),
+            let answers: Result<Vec<_>, sqlx::Error> = match self.0.lock().await {
+                Ok(mut slot) => {
+                    let in_flight = InFlight::start(&self.0);
+                    let answers = match slot.as_mut() {
+                        // The first error ends the stream; it is the answer to note.
+                        Some(connection) => connection.fetch_many(query).try_collect().await,
+                        None => Err(ended()),
+                    };
+                    in_flight.finish();
+                    answers
+                }
+                Err(cut_off) => Err(cut_off),
             };
-            in_flight.finish();
-            drop(slot);
             let answers = match self.noted(answers) {
                 Ok(answers) => answers.into_iter().map(Ok).collect(),
                 Err(error) => vec![Err(error)],
@@ -424,13 +460,18 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
         E: 'q + Execute<'q, MySql>,
     {
         Box::pin(async move {
-            let mut slot = self.0.connection.lock().await;
-            let in_flight = InFlight::start(&self.0);
-            let answer = match slot.as_mut() {
-                Some(connection) => connection.fetch_optional(query).await,
-                None => Err(ended()),
+            let answer = match self.0.lock().await {
+                Ok(mut slot) => {
+                    let in_flight = InFlight::start(&self.0);
+                    let answer = match slot.as_mut() {
+                        Some(connection) => connection.fetch_optional(query).await,
+                        None => Err(ended()),
+                    };
+                    in_flight.finish();
+                    answer
+                }
+                Err(cut_off) => Err(cut_off),
             };
-            in_flight.finish();
             self.noted(answer)
         })
     }
@@ -444,13 +485,18 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
         'c: 'e,
     {
         Box::pin(async move {
-            let mut slot = self.0.connection.lock().await;
-            let in_flight = InFlight::start(&self.0);
-            let answer = match slot.as_mut() {
-                Some(connection) => connection.prepare_with(sql, parameters).await,
-                None => Err(ended()),
+            let answer = match self.0.lock().await {
+                Ok(mut slot) => {
+                    let in_flight = InFlight::start(&self.0);
+                    let answer = match slot.as_mut() {
+                        Some(connection) => connection.prepare_with(sql, parameters).await,
+                        None => Err(ended()),
+                    };
+                    in_flight.finish();
+                    answer
+                }
+                Err(cut_off) => Err(cut_off),
             };
-            in_flight.finish();
             self.noted(answer)
         })
     }
@@ -460,13 +506,18 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
         'c: 'e,
     {
         Box::pin(async move {
-            let mut slot = self.0.connection.lock().await;
-            let in_flight = InFlight::start(&self.0);
-            let answer = match slot.as_mut() {
-                Some(connection) => connection.describe(sql).await,
-                None => Err(ended()),
+            let answer = match self.0.lock().await {
+                Ok(mut slot) => {
+                    let in_flight = InFlight::start(&self.0);
+                    let answer = match slot.as_mut() {
+                        Some(connection) => connection.describe(sql).await,
+                        None => Err(ended()),
+                    };
+                    in_flight.finish();
+                    answer
+                }
+                Err(cut_off) => Err(cut_off),
             };
-            in_flight.finish();
             self.noted(answer)
         })
     }

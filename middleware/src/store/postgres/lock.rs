@@ -38,7 +38,11 @@ struct LockStatements {
 /// statement, not for the lease — so, unlike a session advisory lock, a hold survives
 /// neither more nor less than its lease, whatever happens to the connection.
 ///
-/// Costs one round trip per acquire, renew and release, against the record's database.
+/// Costs one round trip per acquire, renew and release (statements prepared once per
+/// connection), against the record's database. Runs in the session's default isolation:
+/// under a database default of REPEATABLE READ or SERIALIZABLE, an acquire that races
+/// another fails with a serialization error (a store error, answered with a retry) instead
+/// of answering "held".
 #[derive(Clone)]
 pub struct PgLockStore {
     pool: Pool,
@@ -87,13 +91,14 @@ impl PgLockStore {
     ) -> Result<bool, StoreError> {
         let token = token.to_string();
         Checkout::run(&self.pool, async |client| {
+            let statement = client.prepare_cached(statement).await?;
             let changed = match lease {
                 Some(lease) => {
                     client
-                        .execute(statement, &[&entity, &token, &micros(lease)])
+                        .execute(&statement, &[&entity, &token, &micros(lease)])
                         .await?
                 }
-                None => client.execute(statement, &[&entity, &token]).await?,
+                None => client.execute(&statement, &[&entity, &token]).await?,
             };
             Ok(changed == 1)
         })
@@ -113,8 +118,9 @@ impl LockStore for PgLockStore {
     async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, StoreError> {
         let token = token.to_string();
         let fence: Option<i64> = Checkout::run(&self.pool, async |client| {
+            let acquire = client.prepare_cached(&self.statements.acquire).await?;
             let row = client
-                .query_opt(&self.statements.acquire, &[&entity, &token, &micros(lease)])
+                .query_opt(&acquire, &[&entity, &token, &micros(lease)])
                 .await?;
             Ok(row.map(|row| row.get(0)))
         })

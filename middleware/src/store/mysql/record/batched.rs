@@ -83,4 +83,8 @@ impl TransactionalRecord for MysqlTransactionalLayer {
     fn in_flight_delay(&self) -> Duration {
         self.in_flight_delay
     }
+
+    fn doomed(open: &Self::Open) -> Option<String> {
+        open.failure()
+    }
 }

@@ -265,7 +265,8 @@ pub(super) async fn commit(transaction: MysqlTransaction) -> Result<(), Outcome>
     // still alive (kept in a spawned task, say) could write after the commit, outside the
     // record. Rolled back, its statements find no connection.
     if Arc::strong_count(&transaction.0) > 1 {
-        transaction.0.roll_back().await;
+        // The kept handle may be mid-statement: killed, not waited for.
+        transaction.0.close().await;
         return Err(Outcome::retry_later(
             RetryReason::HandlerFailed,
             "nothing was committed: the handler kept its MysqlTransaction after answering",

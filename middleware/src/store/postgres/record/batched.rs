@@ -108,4 +108,10 @@ impl TransactionalRecord for PgTransactionalLayer {
     fn in_flight_delay(&self) -> Duration {
         self.in_flight_delay
     }
+
+    /// Never: a failed statement aborts a PostgreSQL transaction, so the next handler's
+    /// statement fails and answers for it, and the commit check sees it.
+    fn doomed(_: &PgBatch) -> Option<String> {
+        None
+    }
 }

@@ -89,9 +89,10 @@ pub(super) trait Writer<H>: Send + Sync + 'static {
 
     /// Runs the handlers of `group`, whose keys the batch's transaction has just claimed.
     /// `first`: no handler ran in the transaction before this group. A failure a handler
-    /// answers is its own only then — after another handler, it may be that one's doing (a
-    /// swallowed failed statement aborts the transaction, and the next one fails); such a
-    /// failure is reported as "did not run", and the delivery runs again alone.
+    /// answers is its own only then — after another handler, it may be that one's doing (on
+    /// PostgreSQL a swallowed failed statement aborts the transaction, and the next one
+    /// fails); such a failure is reported as "did not run", and the delivery runs again
+    /// alone. `group` is never empty.
     fn write(
         &self,
         transaction: &H,
@@ -241,9 +242,10 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
         let (mut transaction, answers) = match self.record.open(&requests).await {
             Ok(opened) => opened,
-            // Another lane's joiners locked keys in another order, and PostgreSQL broke the
-            // deadlock by failing this claim: nothing is wrong with the store or the
-            // deliveries, which run alone as a batch's do when it fails for no fault of theirs.
+            // Another lane's joiners locked keys in another order, and the server broke the
+            // deadlock by failing this claim (or, on MySQL, it waited past the lock wait
+            // timeout): nothing is wrong with the store or the deliveries, which run alone as a
+            // batch's do when it fails for no fault of theirs.
             Err(error) if R::lost_to_another_transaction(&error) => {
                 tracing::debug!(%error, "a batch lost its claim to another transaction; its deliveries run alone");
                 for joiner in fresh {
@@ -258,18 +260,9 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         };
         let mut group = self.admit(fresh, answers);
         let mut ended = Vec::new();
-        let mut ending = Ending::Commit;
+        let mut ending;
         loop {
-            let handle = R::handle(&transaction);
-            let written = self.writer.write(&handle, group, ended.is_empty()).await;
-            drop(handle);
-            let failed = written.ended.iter().any(|ended| !ended.succeeded());
-            ended.extend(written.ended);
-            if written.tainted {
-                ending = Ending::Close;
-            } else if failed {
-                ending = Ending::Rollback;
-            }
+            ending = self.write_group(&transaction, group, &mut ended).await;
             if ending != Ending::Commit || opened.elapsed() >= self.limits.max_linger {
                 break;
             }
@@ -305,6 +298,48 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         }
         self.settle(transaction, ended, ending).await;
         later
+    }
+
+    /// Runs the handlers of `group` in `transaction`, adding how each ended to `ended`;
+    /// answers how the batch must end so far.
+    async fn write_group(
+        &self,
+        transaction: &R::Open,
+        group: Vec<Joiner<W::Work>>,
+        ended: &mut Vec<Ended>,
+    ) -> Ending {
+        let first = ended.is_empty();
+        let alone = first && group.len() == 1;
+        // A group the claims left empty (copies, keys done elsewhere) has nothing to write:
+        // a set handler is never called with an empty batch.
+        if !group.is_empty() {
+            let handle = R::handle(transaction);
+            let written = self.writer.write(&handle, group, first).await;
+            drop(handle);
+            let failed = written.ended.iter().any(|ended| !ended.succeeded());
+            ended.extend(written.ended);
+            if written.tainted {
+                return Ending::Close;
+            }
+            if failed {
+                return Ending::Rollback;
+            }
+        }
+        // A statement failed that no handler answered for (MySQL carries on past one): the
+        // batch cannot commit — now, rather than after more handlers and joiners. The one
+        // handler of the transaction answers for it; after several, which one it was is
+        // unknown, and all run alone (a rolled-back batch's processed deliveries do).
+        let Some(failure) = R::doomed(transaction) else {
+            return Ending::Commit;
+        };
+        if let (true, Some(own)) = (alone, ended.last_mut()) {
+            own.outcome = Some(Outcome::retry_later(
+                RetryReason::HandlerFailed,
+                format!("a statement of the handler failed, although it answered success: {failure}"),
+                None,
+            ));
+        }
+        Ending::Rollback
     }
 
     /// Answers the deliveries the claim did not give the key to (duplicates, conflicts,

@@ -75,6 +75,12 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
 
     /// The delay suggested when a key is in flight under a three-step lease.
     fn in_flight_delay(&self) -> Duration;
+
+    /// What makes `open` unable to commit although no handler answered a failure — a
+    /// statement failed (or was cut off) that a handler ignored — if anything. PostgreSQL
+    /// aborts the transaction then, and its next statement fails; MySQL carries on, so the
+    /// lane asks.
+    fn doomed(open: &Self::Open) -> Option<String>;
 }
 
 impl<R: TransactionalRecord> BatchedLayer<R> {
@@ -133,8 +139,9 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 /// other delivery of the batch — the failing one too when a handler ran before it, as a
 /// failed statement another handler swallowed fails the next one — runs again *alone*, in a
 /// transaction of its own, exactly as the per-delivery tier runs it. On MySQL a failed
-/// statement does not abort the transaction, so a swallowed one shows only at the commit,
-/// which then fails the batch: every delivery runs again alone. A commit whose
+/// statement does not abort the transaction; the lane sees a swallowed one through the
+/// handle as soon as its handler returns and rolls the batch back: its deliveries run again
+/// alone (where the one that swallowed it fails on its own). A commit whose
 /// answer is lost is run again alone too: a delivery whose batch did commit then finds its
 /// key `SUCCESS` and answers duplicate. Isolation is paid for only when something fails,
 /// with one extra transaction per neighbour, and the tier opens no subtransaction (on
@@ -175,7 +182,8 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 ///   timeout inside drops the handler's future but not the statement it left running on the
 ///   server: on PostgreSQL the batch's `ROLLBACK` waits for that statement (a
 ///   `statement_timeout` or `lock_timeout` set by the handler with `SET LOCAL` bounds it);
-///   on MySQL the tier kills the session instead.
+///   on MySQL no later statement touches that connection: the batch is rolled back by
+///   killing its session.
 /// - PostgreSQL: `SET CONSTRAINTS ALL IMMEDIATE` in a handler fires the record table's guard
 ///   trigger early and fails: name your constraints instead. Session settings a handler
 ///   changes with a plain `SET` stay on the pooled connection: use `SET LOCAL` (MySQL has

@@ -27,8 +27,8 @@ use crate::tier::{BoxFuture, Tier, decide};
 /// `async fn(PgTransaction, Vec<Envelope>) -> Result<BatchAnswer, HandlerError>` is one for
 /// PostgreSQL; the same with `MysqlTransaction` for MySQL.
 ///
-/// It receives the envelopes whose keys the batch claimed (never two of one key, never a
-/// duplicate of a settled key) and answers per envelope ([`BatchAnswer`]). When it answers
+/// It receives the envelopes whose keys the batch claimed (never none, never two of one key,
+/// never a duplicate of a settled key) and answers per envelope ([`BatchAnswer`]). When it answers
 /// an error for the whole batch, panics, or fails an envelope, the batch is rolled back and
 /// every envelope that did not fail runs again alone: the handler is called once per
 /// envelope, with a batch of one, each in a transaction of its own. So it must write
