@@ -44,8 +44,12 @@ test: fmt lint doc services
 fmt:
 	$(CARGO) fmt --all -- --check
 
+## Clippy on everything; and each SQL store's feature alone, which must build without the
+## other (the `mysql` feature alone once did not).
 lint:
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
+	$(CARGO) check -q -p oncely --no-default-features --features postgres
+	$(CARGO) check -q -p oncely --no-default-features --features mysql
 
 ## The docs as docs.rs builds them (every feature) and as a default build shows them: any
 ## rustdoc warning, such as a link to an item behind a feature, fails.

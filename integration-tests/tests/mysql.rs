@@ -13,13 +13,16 @@ use integration_tests::mysql::{StockDatabase, pool_on, scratch_database};
 use integration_tests::unique;
 use oncely::lock::MysqlLockStore;
 use oncely::mysql::sqlx;
-use oncely::mysql::{Table, migrate, migrate_lock, migrate_state};
+use oncely::mysql::{StatusColumns, Table, migrate, migrate_lock, migrate_state};
 use oncely::record::{
     Begin, MysqlRecordStore, MysqlTransaction, MysqlTransactionalLayer, RecordLayer, RecordStatus,
     RecordStore,
 };
 use oncely::state_guard::MysqlStateStore;
-use oncely::{BusinessKey, Envelope, Fingerprint, HandlerError, KeyExtractor, Route, handler_fn};
+use oncely::{
+    BusinessKey, Delivery, Envelope, Fingerprint, HandlerError, KeyExtractor, Outcome, Route, Source,
+    handler_fn,
+};
 use oncely_amqp::{Producer, Runner};
 
 fn table() -> Table {
@@ -236,4 +239,70 @@ async fn a_rabbitmq_consumer_with_the_transactional_record_on_mariadb_writes_eac
             "{order}"
         );
     }
+}
+
+/// The status and version helpers, in the transactional record's transaction as a payment
+/// callback uses them: a retried callback changes nothing, a stale version changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_version_helpers_change_a_row_only_from_the_expected_state() {
+    let database = StockDatabase::new().await;
+    sqlx::raw_sql(
+        "CREATE TABLE orders (id VARCHAR(32) PRIMARY KEY, status VARCHAR(16) NOT NULL, version BIGINT NOT NULL DEFAULT 1);
+         INSERT INTO orders (id, status) VALUES ('o-1', 'UNPAID')",
+    )
+    .execute(&database.pool)
+    .await
+    .unwrap();
+    let orders = StatusColumns::new(Table::new("orders").unwrap(), "id", "status", "version").unwrap();
+    let records = MysqlTransactionalLayer::new(database.pool(2).await, StockDatabase::records());
+    let paid = Arc::new(Mutex::new(Vec::new()));
+    let seen = paid.clone();
+    let pay = records.handler(move |tx: MysqlTransaction, order: BusinessKey| {
+        let (orders, seen) = (orders.clone(), seen.clone());
+        async move {
+            let changed = orders
+                .transition(&tx, order.as_str(), &["UNPAID"], "PAID")
+                .await?;
+            seen.lock().unwrap().push(changed);
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let route = Route::new("pay", KeyExtractor::json_pointer("/orderId"), pay);
+    let callback = |id: &str| Delivery::new(Source::new("callbacks"), format!(r#"{{"orderId":"{id}"}}"#));
+    assert_eq!(route.handle(callback("o-1")).await, Outcome::Processed);
+    // The provider's retry under another notification id: the record does not know it, the
+    // state guard in the row does.
+    let orders = StatusColumns::new(Table::new("orders").unwrap(), "id", "status", "version").unwrap();
+    assert!(
+        !orders
+            .transition(&database.pool, "o-1", &["UNPAID"], "PAID")
+            .await
+            .unwrap()
+    );
+    assert_eq!(*paid.lock().unwrap(), vec![true]);
+    assert!(
+        !orders
+            .compare_and_set(&database.pool, "o-1", 1, "REFUNDED")
+            .await
+            .unwrap(),
+        "version 1 is stale"
+    );
+    assert!(
+        orders
+            .compare_and_set(&database.pool, "o-1", 2, "REFUNDED")
+            .await
+            .unwrap()
+    );
+    let (status, version): (String, i64) =
+        sqlx::query_as("SELECT status, version FROM orders WHERE id = 'o-1'")
+            .fetch_one(&database.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), version), ("REFUNDED", 3));
+    assert!(
+        !orders
+            .transition(&database.pool, "o-1", &[], "PAID")
+            .await
+            .unwrap()
+    );
 }

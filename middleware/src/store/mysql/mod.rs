@@ -9,6 +9,7 @@ pub(crate) mod claims;
 pub(crate) mod lock;
 pub(crate) mod record;
 pub(crate) mod state;
+mod status_columns;
 pub(crate) mod transaction;
 
 use std::fmt;
@@ -16,6 +17,7 @@ use std::fmt;
 use sqlx::MySqlPool;
 
 use crate::error::{ConfigError, StoreError};
+pub use status_columns::StatusColumns;
 
 const CONSUMPTION_RECORD: &str = include_str!("migrations/consumption_record.sql");
 const ENTITY_STATE: &str = include_str!("migrations/entity_state.sql");
@@ -35,17 +37,20 @@ pub(crate) fn lost_to_another_transaction(error: &sqlx::Error) -> bool {
         .is_some_and(|error| matches!(error.number(), 1213 | 1205 | 1614 | 1613 | 1402 | 1020))
 }
 
-/// A table in the connection's database: 1 to 64 lowercase ASCII letters, digits and
-/// underscores, not starting with a digit. Shown back-quoted, ready for SQL.
+/// A table or column name in the connection's database: 1 to 64 lowercase ASCII letters,
+/// digits and underscores, not starting with a digit. Shown back-quoted, ready for SQL.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Table(String);
+pub struct Ident(String);
 
-impl Table {
+/// A table in the connection's database; see [`Ident`].
+pub type Table = Ident;
+
+impl Ident {
     /// Validates `name`; [`ConfigError::InvalidIdentifier`] if it is not a plain name.
     pub fn new(name: impl Into<String>) -> Result<Self, ConfigError> {
         let name = name.into();
         match crate::store::sql::is_plain_name(&name, 64) {
-            true => Ok(Table(name)),
+            true => Ok(Ident(name)),
             false => Err(ConfigError::InvalidIdentifier { identifier: name }),
         }
     }
@@ -56,7 +61,7 @@ impl Table {
     }
 }
 
-impl fmt::Display for Table {
+impl fmt::Display for Ident {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "`{}`", self.0)
     }
