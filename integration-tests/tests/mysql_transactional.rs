@@ -299,6 +299,21 @@ async fn a_panic_or_a_timeout_mid_transaction_commits_nothing_and_poisons_no_con
     }
 }
 
+/// Creates `stock` with one row, `sku-1` (quantity 10), and locks that row in a transaction
+/// of its own, held until the answer is rolled back or dropped.
+async fn stock_row_held_elsewhere(database: &StockDatabase) -> sqlx::Transaction<'static, sqlx::MySql> {
+    sqlx::raw_sql("CREATE TABLE stock (sku VARCHAR(16) PRIMARY KEY, quantity INT); INSERT INTO stock VALUES ('sku-1', 10)")
+        .execute(&database.pool)
+        .await
+        .unwrap();
+    let mut holder = database.pool.begin().await.unwrap();
+    sqlx::query("SELECT quantity FROM stock WHERE sku = 'sku-1' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    holder
+}
+
 /// A handler cut off by a timeout while its statement waits for a row lock: closing the
 /// connection alone would leave that statement waiting on the server — holding the key's
 /// claim — until the lock wait timeout (50 s by default). The tier kills it, so the
@@ -308,16 +323,7 @@ async fn a_panic_or_a_timeout_mid_transaction_commits_nothing_and_poisons_no_con
 async fn a_handler_cut_off_while_waiting_for_a_lock_releases_the_key_at_once() {
     for mode in Mode::ALL {
         let database = StockDatabase::new().await;
-        sqlx::raw_sql("CREATE TABLE stock (sku VARCHAR(16) PRIMARY KEY, quantity INT); INSERT INTO stock VALUES ('sku-1', 10)")
-            .execute(&database.pool)
-            .await
-            .unwrap();
-        // Another transaction holds the stock row for the whole test.
-        let mut holder = database.pool.begin().await.unwrap();
-        sqlx::query("SELECT quantity FROM stock WHERE sku = 'sku-1' FOR UPDATE")
-            .execute(&mut *holder)
-            .await
-            .unwrap();
+        let holder = stock_row_held_elsewhere(&database).await;
         let pool = database.pool(4).await;
         let calls = Arc::new(AtomicUsize::new(0));
         let route = route_with_timeout(
@@ -357,15 +363,7 @@ async fn a_handler_cut_off_while_waiting_for_a_lock_releases_the_key_at_once() {
 async fn a_statement_the_handler_cut_off_itself_fails_the_delivery() {
     for mode in Mode::ALL {
         let database = StockDatabase::new().await;
-        sqlx::raw_sql("CREATE TABLE stock (sku VARCHAR(16) PRIMARY KEY, quantity INT); INSERT INTO stock VALUES ('sku-1', 10)")
-            .execute(&database.pool)
-            .await
-            .unwrap();
-        let mut holder = database.pool.begin().await.unwrap();
-        sqlx::query("SELECT quantity FROM stock WHERE sku = 'sku-1' FOR UPDATE")
-            .execute(&mut *holder)
-            .await
-            .unwrap();
+        let holder = stock_row_held_elsewhere(&database).await;
         let calls = Arc::new(AtomicUsize::new(0));
         let route = route(mode, &database.pool(4).await, move |envelope: Envelope| {
             let first = calls.fetch_add(1, Ordering::SeqCst) == 0;

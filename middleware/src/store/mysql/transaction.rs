@@ -420,6 +420,29 @@ impl MysqlTransaction {
     }
 }
 
+/// Runs `$call` (an expression on the connection, bound as `$connection`) through the
+/// handle `$handle` as one statement of the handler's: refused once a statement was cut off
+/// or the transaction ended, marked cut off if its future is dropped before it finished,
+/// noted if it fails. A macro, not a function taking a closure: sqlx's executor on a
+/// borrowed connection inside a closure's future is not `Send` for every lifetime.
+macro_rules! through_handle {
+    ($handle:expr, |$connection:ident| $call:expr) => {{
+        let answer = match $handle.0.lock().await {
+            Ok(mut slot) => {
+                let in_flight = InFlight::start(&$handle.0);
+                let answer = match slot.as_mut() {
+                    Some($connection) => $call.await,
+                    None => Err(ended()),
+                };
+                in_flight.finish();
+                answer
+            }
+            Err(cut_off) => Err(cut_off),
+        };
+        $handle.noted(answer)
+    }};
+}
+
 impl<'c> Executor<'c> for &'c MysqlTransaction {
     type Database = MySql;
 
@@ -432,20 +455,11 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
         E: 'q + Execute<'q, MySql>,
     {
         let answers = async move {
-            let answers: Result<Vec<_>, sqlx::Error> = match self.0.lock().await {
-                Ok(mut slot) => {
-                    let in_flight = InFlight::start(&self.0);
-                    let answers = match slot.as_mut() {
-                        // The first error ends the stream; it is the answer to note.
-                        Some(connection) => connection.fetch_many(query).try_collect().await,
-                        None => Err(ended()),
-                    };
-                    in_flight.finish();
-                    answers
-                }
-                Err(cut_off) => Err(cut_off),
-            };
-            let answers = match self.noted(answers) {
+            // The first error ends the stream; it is the answer to note.
+            let answers = through_handle!(self, |connection| connection
+                .fetch_many(query)
+                .try_collect::<Vec<_>>());
+            let answers = match answers {
                 Ok(answers) => answers.into_iter().map(Ok).collect(),
                 Err(error) => vec![Err(error)],
             };
@@ -459,21 +473,7 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
         'c: 'e,
         E: 'q + Execute<'q, MySql>,
     {
-        Box::pin(async move {
-            let answer = match self.0.lock().await {
-                Ok(mut slot) => {
-                    let in_flight = InFlight::start(&self.0);
-                    let answer = match slot.as_mut() {
-                        Some(connection) => connection.fetch_optional(query).await,
-                        None => Err(ended()),
-                    };
-                    in_flight.finish();
-                    answer
-                }
-                Err(cut_off) => Err(cut_off),
-            };
-            self.noted(answer)
-        })
+        Box::pin(async move { through_handle!(self, |connection| connection.fetch_optional(query)) })
     }
 
     fn prepare_with<'e, 'q: 'e>(
@@ -484,41 +484,13 @@ impl<'c> Executor<'c> for &'c MysqlTransaction {
     where
         'c: 'e,
     {
-        Box::pin(async move {
-            let answer = match self.0.lock().await {
-                Ok(mut slot) => {
-                    let in_flight = InFlight::start(&self.0);
-                    let answer = match slot.as_mut() {
-                        Some(connection) => connection.prepare_with(sql, parameters).await,
-                        None => Err(ended()),
-                    };
-                    in_flight.finish();
-                    answer
-                }
-                Err(cut_off) => Err(cut_off),
-            };
-            self.noted(answer)
-        })
+        Box::pin(async move { through_handle!(self, |connection| connection.prepare_with(sql, parameters)) })
     }
 
     fn describe<'e, 'q: 'e>(self, sql: &'q str) -> BoxFuture<'e, Result<Describe<MySql>, sqlx::Error>>
     where
         'c: 'e,
     {
-        Box::pin(async move {
-            let answer = match self.0.lock().await {
-                Ok(mut slot) => {
-                    let in_flight = InFlight::start(&self.0);
-                    let answer = match slot.as_mut() {
-                        Some(connection) => connection.describe(sql).await,
-                        None => Err(ended()),
-                    };
-                    in_flight.finish();
-                    answer
-                }
-                Err(cut_off) => Err(cut_off),
-            };
-            self.noted(answer)
-        })
+        Box::pin(async move { through_handle!(self, |connection| connection.describe(sql)) })
     }
 }
