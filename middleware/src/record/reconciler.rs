@@ -15,8 +15,8 @@ use crate::error::{BoxError, StoreError};
 
 /// A record store a [`Reconciler`] can repair: it finds three-step records stuck in
 /// `PROCESSING` past their lease, settles one only while it is still that stuck attempt,
-/// and deletes old `SUCCESS` records. [`PgRecordStore`](crate::record::PgRecordStore) and
-/// [`MysqlRecordStore`](crate::record::MysqlRecordStore) implement it.
+/// and deletes old `SUCCESS` records. `PgRecordStore` and
+/// `MysqlRecordStore` implement it.
 pub trait StuckRecords: Send + Sync + 'static {
     /// Up to `limit` records in `PROCESSING` whose lease ran out, oldest lease first: each
     /// key with its attempt.

@@ -97,8 +97,8 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 }
 
 /// The transactional record tier, batched: deliveries in flight at the same time share one
-/// transaction and one commit. Built by [`PgTransactionalLayer::batched`] (as
-/// [`PgBatchedLayer`]) or [`MysqlTransactionalLayer::batched`] (as [`MysqlBatchedLayer`]);
+/// transaction and one commit. Built by `PgTransactionalLayer::batched` (as
+/// `PgBatchedLayer`) or `MysqlTransactionalLayer::batched` (as `MysqlBatchedLayer`);
 /// what follows holds for both, and where the stores differ it says so.
 ///
 /// The per-delivery transactional record pays a transaction per message: `BEGIN` and the
@@ -152,8 +152,8 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 /// - [`BatchedLayer::handler`] (or the layer over any [`TransactionSafe`] service) keeps
 ///   the handler you have: it is called once per delivery, on the lane's task (in the
 ///   delivery's tracing span; task-locals of the delivery's own task are not there), with
-///   the shared transaction as its [`PgTransaction`](crate::record::PgTransaction) or
-///   [`MysqlTransaction`](crate::record::MysqlTransaction). The handlers of a batch run one after
+///   the shared transaction as its `PgTransaction` or
+///   `MysqlTransaction`. The handlers of a batch run one after
 ///   another, so each sees the writes of the ones before it exactly as it would after their
 ///   commits, and read-modify-write handlers stay correct. What the batch saves is the
 ///   `BEGIN`, the claim and the `COMMIT` with its flush: the handlers' own statements still
@@ -209,11 +209,6 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 /// let service = records.handler(deduct_stock);
 /// # }
 /// ```
-///
-/// [`PgTransactionalLayer::batched`]: crate::record::PgTransactionalLayer::batched
-/// [`MysqlTransactionalLayer::batched`]: crate::record::MysqlTransactionalLayer::batched
-/// [`PgBatchedLayer`]: crate::record::PgBatchedLayer
-/// [`MysqlBatchedLayer`]: crate::record::MysqlBatchedLayer
 #[derive(Clone)]
 pub struct BatchedLayer<R> {
     record: R,
@@ -250,8 +245,8 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 
     /// The typed handler `f` behind this tier, as the per-delivery tier's `handler` builds
     /// it: an `async fn` whose arguments come from the envelope, which may take the batch's
-    /// open transaction ([`PgTransaction`](crate::record::PgTransaction),
-    /// [`MysqlTransaction`](crate::record::MysqlTransaction)).
+    /// open transaction (`PgTransaction`,
+    /// `MysqlTransaction`).
     pub fn handler<F, Args>(&self, f: F) -> BatchedService<TypedHandler<F, InTransaction, Args>, R>
     where
         F: Handler<InTransaction, Args>,

@@ -22,8 +22,8 @@ use crate::tier::{BoxFuture, Tier, decide};
 
 /// A handler that writes the effects of many deliveries at once — one multi-row `INSERT`,
 /// one `UPDATE … FROM (VALUES …)` — in the batched record's transaction `T`
-/// ([`PgTransaction`](crate::record::PgTransaction),
-/// [`MysqlTransaction`](crate::record::MysqlTransaction)). Any
+/// (`PgTransaction`,
+/// `MysqlTransaction`). Any
 /// `async fn(PgTransaction, Vec<Envelope>) -> Result<BatchAnswer, HandlerError>` is one for
 /// PostgreSQL; the same with `MysqlTransaction` for MySQL.
 ///
