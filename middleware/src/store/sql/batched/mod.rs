@@ -109,8 +109,9 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 ///    lane opens a transaction for it at once, together with every delivery already waiting
 ///    (group commit, as PostgreSQL does for WAL flushes: a lone delivery never waits for a
 ///    timer).
-/// 2. The group's claims decide it at once (one multi-row statement on PostgreSQL; a
-///    statement per key on MySQL, which has no `RETURNING`): new or `FAILURE` keys are claimed;
+/// 2. The group's claims decide it at once (one multi-row statement on PostgreSQL; on
+///    MySQL, which has no `RETURNING`, one when every key is new, else a statement per key):
+///    new or `FAILURE` keys are claimed;
 ///    duplicates, payload conflicts, fenced and in-flight keys are answered at once (what
 ///    decided them is committed). Two copies of one key never share a batch: the second
 ///    goes to the lane's next batch, where it finds what the first one's commit left.
