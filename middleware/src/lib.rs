@@ -63,12 +63,10 @@
 //!   (`record::PgRecordStore`, with claim coalescing), the state guard's
 //!   `state_guard::PgStateStore` and the lock's `lock::PgLockStore`.
 //! - `mysql`: on MySQL 8 or MariaDB (sqlx), the record tier in transactional mode
-//!   (`record::MysqlTransactionalLayer`, per delivery) or three-step mode
+//!   (`record::MysqlTransactionalLayer`, per delivery or batched) or three-step mode
 //!   (`record::MysqlRecordStore`), the state guard's `state_guard::MysqlStateStore` and the
-//!   lock's `lock::MysqlLockStore`.
-//!
-//! The `record::Reconciler` repairs three-step records stuck in `PROCESSING` on either SQL
-//! store.
+//!   lock's `lock::MysqlLockStore`. On either SQL store, `record::Reconciler` repairs
+//!   three-step records stuck in `PROCESSING`.
 //! - `prefilter`: the pre-filter tier's Bloom filter (`fastbloom`) and roaring bitmap.
 //!
 //! and two that are not backends: `metrics` (default), the tiers' metrics through the

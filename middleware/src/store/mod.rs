@@ -1,5 +1,6 @@
 //! Each store's one home: its plumbing, its SQL or scripts, its migrations, and every tier's
-//! backend on it (`memory/`, `redis/`, `postgres/`). Nothing here is imported by users: each
+//! backend on it (`memory/`, `redis/`, `postgres/`, `mysql/`), and what the SQL stores share
+//! (`sql/`: the claim decision, the batched mode's lanes). Nothing here is imported by users: each
 //! tier re-exports its backends where users look for them (`oncely::flag::RedisFlagStore`,
 //! `oncely::record::PgTransactionalLayer`, …).
 

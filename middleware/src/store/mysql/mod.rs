@@ -1,6 +1,8 @@
-//! The MySQL and MariaDB store, on sqlx's driver: the record tier's three-step store and
-//! transactional tier, the state guard's store, their table names and migrations. What it shares with PostgreSQL (how a claim that finds a row
-//! answers, how rows read back) is in `store/sql.rs`.
+//! The MySQL and MariaDB store, on sqlx's driver: the record tier (three-step store,
+//! transactional tier on an XA transaction, its half of the batched mode, the reconciler's
+//! statements), the state guard's store, the lock store, the status helpers, their names
+//! and migrations. What it shares with PostgreSQL (how a claim that finds a row answers, the
+//! batched lanes) is in `store/sql/`.
 //!
 //! Every value goes to the server as a bound parameter; the table name cannot be one, so it
 //! is validated ([`Table`]) and quoted before it is put into SQL.

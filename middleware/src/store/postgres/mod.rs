@@ -1,5 +1,6 @@
-//! The PostgreSQL store: the record tier's backends (transactional, batched, three-step,
-//! the reconciler), the state guard's store, the pre-filter's rebuild, and what they share —
+//! The PostgreSQL store: the record tier's backends (transactional, its half of the batched
+//! mode, three-step, the reconciler's statements), the state guard's store, the lock store,
+//! the pre-filter's rebuild, and what they share —
 //! connections that return to the pool only when clean, validated names, migrations
 //! (`migrations/`), and every statement on oncely's tables.
 //!
