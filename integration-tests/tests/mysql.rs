@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use integration_tests::amqp::{Broker, ready_messages, start_runner, topology_with_orders};
 use integration_tests::mysql::{StockDatabase, pool_on, scratch_database};
+use integration_tests::postgres::boxed;
 use integration_tests::unique;
 use oncely::lock::MysqlLockStore;
 use oncely::mysql::sqlx;
@@ -153,16 +154,15 @@ async fn publish_orders_with_copies(producer: &Producer, queue: &str) -> u64 {
 
 const ORDERS: usize = 300;
 
-/// Consumes `name`'s queue with `route` on RabbitMQ 3.10 until it drains, after
+/// Consumes `name`'s queue on `broker` with `route` until it drains, after
 /// [`publish_orders_with_copies`]; checks every order processed once, every copy answered a
 /// duplicate and nothing dead-lettered.
-async fn consume_orders_with_copies<S>(name: &str, route: impl FnOnce() -> Route<S>)
+async fn consume_orders_with_copies<S>(broker: Broker, name: &str, route: impl FnOnce() -> Route<S>)
 where
     S: tower::Service<Envelope, Response = oncely::Outcome> + Clone + Send + Sync + 'static,
     S::Error: Into<oncely::BoxError>,
     S::Future: Send,
 {
-    let broker = Broker::Rabbit3;
     let (topology, channel) = topology_with_orders(broker, name, &[]).await;
     let producer = Producer::new(broker.connect().await);
     let copies = publish_orders_with_copies(&producer, topology.queue()).await;
@@ -197,7 +197,7 @@ async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once(
         async { Ok::<(), HandlerError>(()) }
     });
     let stack = tower::Layer::layer(&RecordLayer::new(records.clone()), handler);
-    consume_orders_with_copies("mysql-record", || {
+    consume_orders_with_copies(Broker::Rabbit3, "mysql-record", || {
         Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), stack)
     })
     .await;
@@ -211,33 +211,39 @@ async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once(
     }
 }
 
-/// The same with the transactional record: the handler writes its stock move in the
-/// record's XA transaction on MariaDB — one row per order in the business table, each
-/// order's record `SUCCESS`.
+/// The same with the transactional record, per delivery and batched, on RabbitMQ 3.10 and
+/// 4.0: the handler writes its stock move in the record's XA transaction on MariaDB — one
+/// row per order in the business table, each order's record `SUCCESS`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rabbitmq_consumer_with_the_transactional_record_on_mariadb_writes_each_order_once() {
-    let database = StockDatabase::new().await;
-    let records = MysqlTransactionalLayer::new(database.pool(16).await, StockDatabase::records());
-    let service = records.handler(|tx: MysqlTransaction, order: BusinessKey| async move {
+    async fn stock_move(tx: MysqlTransaction, order: BusinessKey) -> Result<(), HandlerError> {
         sqlx::query("INSERT INTO stock_moves (order_id) VALUES (?)")
             .bind(order.as_str())
             .execute(&tx)
             .await?;
-        Ok::<(), HandlerError>(())
-    });
-    consume_orders_with_copies("mysql-transactional", || {
-        Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), service)
-    })
-    .await;
-    assert_eq!(database.all_moves().await, ORDERS as i64);
-    for order in 0..ORDERS {
-        let order = format!("o-{order}");
-        assert_eq!(database.moves_of(&order).await, 1, "{order}");
-        assert_eq!(
-            database.status_of(&order).await.as_deref(),
-            Some("SUCCESS"),
-            "{order}"
-        );
+        Ok(())
+    }
+    for (broker, batched) in [(Broker::Rabbit3, false), (Broker::Rabbit4, true)] {
+        let database = StockDatabase::new().await;
+        let records = MysqlTransactionalLayer::new(database.pool(16).await, StockDatabase::records());
+        let stack = match batched {
+            false => boxed(records.handler(stock_move)),
+            true => boxed(records.batched().handler(stock_move)),
+        };
+        consume_orders_with_copies(broker, "mysql-transactional", || {
+            Route::new("mysql-orders", KeyExtractor::json_pointer("/orderId"), stack)
+        })
+        .await;
+        assert_eq!(database.all_moves().await, ORDERS as i64, "{broker:?}");
+        for order in 0..ORDERS {
+            let order = format!("o-{order}");
+            assert_eq!(database.moves_of(&order).await, 1, "{broker:?} {order}");
+            assert_eq!(
+                database.status_of(&order).await.as_deref(),
+                Some("SUCCESS"),
+                "{broker:?} {order}"
+            );
+        }
     }
 }
 
