@@ -1,8 +1,9 @@
 //! The MySQL / MariaDB store against a real server (`MYSQL_URL`; `services.sh mariadb`
-//! starts or installs MariaDB): the record and state store suites, the
+//! starts or installs MariaDB): the record, reconcile, state and lock store suites, the
 //! migration run by many consumers at once, keys compared byte for byte, leases across time
-//! zones, and a RabbitMQ consumer with its record on MariaDB. Each test has a database of
-//! its own.
+//! zones, the status helpers, and RabbitMQ consumers with their record on MariaDB (three-step,
+//! transactional, batched). The handler faults are in `mysql_transactional.rs`. Each test
+//! has a database of its own.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
