@@ -4,8 +4,12 @@
 use oncely::mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use oncely::mysql::sqlx::{self, MySqlPool};
 use oncely::mysql::{Table, migrate};
+use oncely::record::{BatchAnswer, MysqlTransaction, MysqlTransactionalLayer, TransactionSafe};
+use oncely::{BoxError, BusinessKey, Envelope, HandlerError, Outcome};
+use tower::Layer;
 
 use crate::commit_thief::{CommitAnswerThief, CommitOnTheWire};
+use crate::postgres::{BoxedStack, RecordMode, boxed};
 
 fn options() -> MySqlConnectOptions {
     mysql_url().parse().expect("a valid MYSQL_URL")
@@ -25,17 +29,101 @@ pub async fn scratch_database(size: u32) -> MySqlPool {
 
 /// Creates a database no other test uses and answers its name.
 async fn create_scratch_database() -> String {
-    let admin: MySqlConnectOptions = mysql_url().parse().expect("a valid MYSQL_URL");
+    let admin = admin_pool().await;
     let name = format!("oncely_test_{}", oncely::Token::random());
-    let admin = MySqlPool::connect_with(admin).await.unwrap_or_else(|error| {
-        panic!("MySQL at MYSQL_URL ({error}); run integration-tests/services.sh mariadb")
-    });
     sqlx::raw_sql(&format!("CREATE DATABASE `{name}`"))
         .execute(&admin)
         .await
         .expect("create the test's database");
     admin.close().await;
     name
+}
+
+/// A pool of two connections to `MYSQL_URL` itself (its own default database).
+async fn admin_pool() -> MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options())
+        .await
+        .unwrap_or_else(|error| {
+            panic!("MySQL at MYSQL_URL ({error}); run integration-tests/services.sh mariadb")
+        })
+}
+
+/// A database of one run's own, dropped with everything in it when the value is dropped,
+/// and a pool to `MYSQL_URL`'s own default database beside it: the run names its tables
+/// `NAME.table`, so that its connections are told apart from those the run watches (which
+/// use the database).
+#[derive(Debug)]
+pub struct ScratchDatabase {
+    name: String,
+    admin: MySqlPool,
+}
+
+impl ScratchDatabase {
+    /// Creates the database.
+    pub async fn new() -> Self {
+        let name = create_scratch_database().await;
+        ScratchDatabase {
+            name,
+            admin: admin_pool().await,
+        }
+    }
+
+    /// The database's name (letters, digits and `_`: it needs no quoting).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The pool on `MYSQL_URL`'s default database.
+    pub fn admin(&self) -> &MySqlPool {
+        &self.admin
+    }
+}
+
+impl Drop for ScratchDatabase {
+    fn drop(&mut self) {
+        // Drop cannot await: a thread with its own runtime drops the database, as
+        // `ScratchSchema` does.
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let admin = admin_pool().await;
+                sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS `{name}`"))
+                    .execute(&admin)
+                    .await
+                    .map_err(std::io::Error::other)
+            })
+        })
+        .join();
+    }
+}
+
+/// A pool of up to `size` connections to `database` on `MYSQL_URL` that connects when first
+/// used, as a consumer process's pool does (it must start while the server is down).
+pub fn lazy_pool_on(database: &str, size: u32) -> MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(size)
+        .connect_lazy_with(options().database(database))
+}
+
+impl RecordMode {
+    /// `handler` behind the MySQL transactional record on `pool` and `table`, in this mode.
+    pub fn mysql_stack<S>(self, pool: &MySqlPool, table: Table, handler: S) -> BoxedStack
+    where
+        S: tower::Service<Envelope, Response = Outcome> + TransactionSafe + Clone + Send + Sync + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        let records = MysqlTransactionalLayer::new(pool.clone(), table);
+        match self {
+            RecordMode::PerDelivery => boxed(records.layer(handler)),
+            RecordMode::Batched => boxed(records.batched().layer(handler)),
+        }
+    }
 }
 
 /// A pool of up to `size` connections to `database` on `MYSQL_URL`, in the session time zone
@@ -127,6 +215,27 @@ impl StockDatabase {
             .await
             .expect("read the record")
     }
+}
+
+/// The effect of the MySQL tests' stock-deduction handlers, for
+/// `MysqlTransactionalLayer::handler`: the order's stock move, in the record's transaction.
+pub async fn stock_move(tx: MysqlTransaction, order: BusinessKey) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO stock_moves (order_id) VALUES (?)")
+        .bind(order.as_str())
+        .execute(&tx)
+        .await?;
+    Ok(())
+}
+
+/// The same effect as a batch handler, for `MysqlBatchedLayer::batch_handler`: the stock
+/// moves of a whole batch in one multi-row `INSERT`.
+pub async fn stock_moves(tx: MysqlTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {
+    let mut insert = sqlx::QueryBuilder::new("INSERT INTO stock_moves (order_id) ");
+    insert.push_values(&batch, |mut row, envelope| {
+        row.push_bind(envelope.key().as_str().to_owned());
+    });
+    insert.build().execute(&tx).await?;
+    Ok(BatchAnswer::processed())
 }
 
 impl CommitAnswerThief {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use integration_tests::amqp::{Broker, ready_messages, start_runner, topology_with_orders};
-use integration_tests::mysql::{StockDatabase, pool_on, scratch_database};
+use integration_tests::mysql::{StockDatabase, pool_on, scratch_database, stock_move};
 use integration_tests::postgres::boxed;
 use integration_tests::unique;
 use oncely::lock::MysqlLockStore;
@@ -59,6 +59,53 @@ async fn lock_store() -> MysqlLockStore {
 }
 
 oncely::store_suite!(lock, lock_store);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coalescing_record_store_passes_the_record_suite() {
+    oncely::store_suite!(record, run: store().await.with_coalescing(64, 4));
+}
+
+/// Two consumer processes' coalescing stores claim the same keys at once — 32 keys, some
+/// already done, each asked for 4 times by each store — while their batches race between
+/// the read of the rows and the insert of the new keys: each key not done is started
+/// exactly once, and a done key is never started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_claims_of_two_stores_start_each_key_once() {
+    let pool = scratch_database(16).await;
+    migrate(&pool, &table()).await.expect("migrate");
+    let stores = [0, 1].map(|_| MysqlRecordStore::new(pool.clone(), table()).with_coalescing(64, 4));
+    let lease = std::time::Duration::from_secs(30);
+    let fingerprint = Fingerprint::of(b"x");
+    let key = |n: usize| BusinessKey::new(format!("order-{n}"));
+    for n in (0..32).step_by(4) {
+        let done = &stores[0];
+        assert_eq!(
+            done.begin(&key(n), fingerprint, lease, None).await.unwrap(),
+            Begin::Started { attempt: 1 }
+        );
+        assert!(done.succeed(&key(n), 1).await.unwrap());
+    }
+    let claims: Vec<_> = (0..256)
+        .map(|i| {
+            let (store, key) = (stores[i % 2].clone(), key(i / 2 % 32));
+            tokio::spawn(async move { (key.clone(), store.begin(&key, fingerprint, lease, None).await) })
+        })
+        .collect();
+    let mut started: HashMap<String, usize> = HashMap::new();
+    for claim in claims {
+        let (key, answer) = claim.await.unwrap();
+        match answer.expect("every claim answers") {
+            Begin::Started { attempt: 1 } => *started.entry(key.as_str().to_owned()).or_default() += 1,
+            Begin::InProgress | Begin::Done => {}
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    let expected: HashMap<String, usize> = (0..32)
+        .filter(|n| n % 4 != 0)
+        .map(|n| (key(n).as_str().to_owned(), 1))
+        .collect();
+    assert_eq!(started, expected);
+}
 
 /// Consumers that start together each run the migration: all succeed, and the table is
 /// made once.
@@ -217,13 +264,6 @@ async fn a_rabbitmq_consumer_with_the_record_on_mariadb_applies_each_order_once(
 /// row per order in the business table, each order's record `SUCCESS`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rabbitmq_consumer_with_the_transactional_record_on_mariadb_writes_each_order_once() {
-    async fn stock_move(tx: MysqlTransaction, order: BusinessKey) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO stock_moves (order_id) VALUES (?)")
-            .bind(order.as_str())
-            .execute(&tx)
-            .await?;
-        Ok(())
-    }
     for (broker, batched) in [(Broker::Rabbit3, false), (Broker::Rabbit4, true)] {
         let database = StockDatabase::new().await;
         let records = MysqlTransactionalLayer::new(database.pool(16).await, StockDatabase::records());

@@ -2,6 +2,7 @@
 //! record modes run: the three-step store in autocommit, the transactional tier inside its
 //! transaction. Whoever changes the table's meaning changes it here.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -9,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use sqlx::mysql::MySqlRow;
 use sqlx::{Executor, MySqlConnection, Row};
 
-use super::Table;
+use super::{Table, lost_to_another_transaction};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
@@ -38,6 +39,9 @@ pub(crate) struct Statements {
     take_over: String,
     /// What stopped a claim: status, fingerprint, lease running, fencing token. `?` key.
     inspect: String,
+    /// The same for many keys, with the key first: `SELECT message_key, … WHERE message_key
+    /// IN (`, the keys follow as literals ([`claim_many`]).
+    inspect_many_head: String,
     /// Settles a three-step attempt. `?` status, error, key, retry count.
     pub(crate) settle: String,
     /// Notes a rolled-back transactional attempt: a `FAILURE` row with the error text and one
@@ -56,6 +60,8 @@ pub(crate) struct Statements {
     /// The head of a multi-row claim of new keys: `INSERT IGNORE INTO {table} (columns)
     /// VALUES `, the rows follow as literals ([`claim_new_keys`]).
     insert_new_head: String,
+    /// The same without `IGNORE`, which a key taken in between fails whole ([`claim_many`]).
+    insert_rows_head: String,
     /// Deletes up to 5,000 `SUCCESS` rows not updated for `?` µs, oldest first (an ordered
     /// `LIMIT` is deterministic, so statement-based replication may log it).
     pub(crate) purge: String,
@@ -72,11 +78,12 @@ impl Statements {
             "(payload_fingerprint = ? OR '{unchecked}' IN (payload_fingerprint, ?))",
             unchecked = Fingerprint::UNCHECKED
         );
+        let found = "status, payload_fingerprint, CAST(COALESCE(lease_until > UTC_TIMESTAMP(6), 0) AS SIGNED), fencing_token";
+        let columns =
+            "(message_key, status, payload_fingerprint, fencing_token, lease_until, created_at, updated_at)";
         Arc::new(Statements {
             insert: format!(
-                "INSERT INTO {table}
-                     (message_key, status, payload_fingerprint, fencing_token, lease_until, created_at, updated_at)
-                 VALUES (?, ?, ?, ?, {lease}, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+                "INSERT INTO {table} {columns} VALUES (?, ?, ?, ?, {lease}, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
             ),
             take_over: format!(
                 "UPDATE {table}
@@ -87,11 +94,8 @@ impl Statements {
                    AND (status = 'FAILURE' OR (status = 'PROCESSING' AND lease_until < UTC_TIMESTAMP(6)))
                    AND (fencing_token IS NULL OR ? IS NULL OR ? >= fencing_token)"
             ),
-            inspect: format!(
-                "SELECT status, payload_fingerprint,
-                        CAST(COALESCE(lease_until > UTC_TIMESTAMP(6), 0) AS SIGNED), fencing_token
-                 FROM {table} WHERE message_key = ?"
-            ),
+            inspect: format!("SELECT {found} FROM {table} WHERE message_key = ?"),
+            inspect_many_head: format!("SELECT message_key, {found} FROM {table} WHERE message_key IN ("),
             settle: format!(
                 "UPDATE {table} SET status = ?, error_details = COALESCE(?, error_details),
                         lease_until = NULL, updated_at = UTC_TIMESTAMP(6)
@@ -125,11 +129,8 @@ impl Statements {
                  WHERE message_key = ? AND retry_count = ? AND status = 'PROCESSING'
                    AND lease_until < UTC_TIMESTAMP(6)"
             ),
-            insert_new_head: format!(
-                "INSERT IGNORE INTO {table}
-                     (message_key, status, payload_fingerprint, fencing_token, lease_until, created_at, updated_at)
-                 VALUES "
-            ),
+            insert_new_head: format!("INSERT IGNORE INTO {table} {columns} VALUES "),
+            insert_rows_head: format!("INSERT INTO {table} {columns} VALUES "),
             purge: format!(
                 "DELETE FROM {table}
                  WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
@@ -207,13 +208,18 @@ async fn inspect(
     let Some(row) = row else {
         return Ok(Some(Begin::InProgress));
     };
-    let found = FoundRecord {
-        status: parse_status(row.try_get(0)?)?,
-        fingerprint: parse_fingerprint(row.try_get(1)?)?,
-        leased: row.try_get::<i64, _>(2)? != 0,
-        fencing_token: row.try_get(3)?,
-    };
+    let found = found_record(&row, 0)?;
     Ok(refused_claim(&found, request.fingerprint, request.fencing_token))
+}
+
+/// The row as [`Statements::inspect`] reads it, from column `first` on.
+fn found_record(row: &MySqlRow, first: usize) -> Result<FoundRecord, StoreError> {
+    Ok(FoundRecord {
+        status: parse_status(row.try_get(first)?)?,
+        fingerprint: parse_fingerprint(row.try_get(first + 1)?)?,
+        leased: row.try_get::<i64, _>(first + 2)? != 0,
+        fencing_token: row.try_get(first + 3)?,
+    })
 }
 
 /// Takes the key's row over with `status`, if it still may be: another claim may have
@@ -263,10 +269,101 @@ pub(crate) async fn claim_new_keys(
     requests: &[ClaimRequest],
     status: RecordStatus,
 ) -> Result<Option<Vec<Begin>>, StoreError> {
-    let mut sql = format!("SAVEPOINT oncely_claims; {}", statements.insert_new_head);
-    for (i, request) in requests.iter().enumerate() {
+    for request in requests {
         check_key_len(&request.key)?;
-        let literal = |value: Option<i64>| value.map_or_else(|| "NULL".to_owned(), |value| value.to_string());
+    }
+    let mut sql = format!("SAVEPOINT oncely_claims; {}", statements.insert_new_head);
+    push_rows(&mut sql, requests.iter(), status);
+    let inserted = connection.execute(sqlx::raw_sql(&sql)).await?;
+    if inserted.rows_affected() == requests.len() as u64 {
+        return Ok(Some(vec![Begin::Started { attempt: 1 }; requests.len()]));
+    }
+    connection.execute("ROLLBACK TO SAVEPOINT oncely_claims").await?;
+    Ok(None)
+}
+
+/// Claims `requests` with `status` in autocommit, for the coalesced three-step store: one
+/// read of the rows the keys already have, then one multi-row `INSERT` of the keys that had
+/// none — two round trips for the whole batch. A key with a row is answered as [`claim`]
+/// answers it (a takeover is one `UPDATE` of its own). Should another claim insert one of
+/// the new keys between the read and the insert, the insert fails whole (a statement in
+/// autocommit is atomic), and each new key is claimed on its own.
+///
+/// The keys must be distinct and each checked with [`check_key_len`]. Sent as text with the
+/// values as literals, as [`claim_new_keys`] does, so no statement is prepared per batch
+/// size; the new rows go in key order, so that two batches lock their keys in one order and
+/// cannot deadlock each other.
+pub(crate) async fn claim_many(
+    connection: &mut MySqlConnection,
+    statements: &Statements,
+    requests: &[ClaimRequest],
+    status: RecordStatus,
+) -> Result<Vec<Begin>, StoreError> {
+    let mut sql = statements.inspect_many_head.clone();
+    for (i, request) in requests.iter().enumerate() {
+        let separator = if i == 0 { "" } else { ", " };
+        let _ = write!(sql, "{separator}X'{}'", hex(request.key.as_str().as_bytes()));
+    }
+    sql.push(')');
+    let mut found = HashMap::new();
+    for row in connection.fetch_all(sqlx::raw_sql(&sql)).await? {
+        found.insert(row.try_get::<Vec<u8>, _>(0)?, found_record(&row, 1)?);
+    }
+    let mut answers = Vec::with_capacity(requests.len());
+    let mut new = Vec::new();
+    for request in requests {
+        let answer = match found.get(request.key.as_str().as_bytes()) {
+            None => {
+                new.push(request);
+                Begin::Started { attempt: 1 }
+            }
+            Some(row) => match refused_claim(row, request.fingerprint, request.fencing_token) {
+                Some(refused) => refused,
+                None => take_over(connection, statements, request, status).await?,
+            },
+        };
+        answers.push(answer);
+    }
+    if new.is_empty() {
+        return Ok(answers);
+    }
+    new.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+    let mut sql = statements.insert_rows_head.clone();
+    push_rows(&mut sql, new.iter().copied(), status);
+    match connection.execute(sqlx::raw_sql(&sql)).await {
+        Ok(_) => Ok(answers),
+        Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
+            claim_each_new(connection, statements, requests, &found, answers, status).await
+        }
+        Err(error) if lost_to_another_transaction(&error) => {
+            claim_each_new(connection, statements, requests, &found, answers, status).await
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// [`claim_many`]'s answers with each key that had no row at the read claimed on its own.
+async fn claim_each_new(
+    connection: &mut MySqlConnection,
+    statements: &Statements,
+    requests: &[ClaimRequest],
+    found: &HashMap<Vec<u8>, FoundRecord>,
+    mut answers: Vec<Begin>,
+    status: RecordStatus,
+) -> Result<Vec<Begin>, StoreError> {
+    for (request, answer) in requests.iter().zip(&mut answers) {
+        if !found.contains_key(request.key.as_str().as_bytes()) {
+            *answer = claim(connection, statements, request, status).await?;
+        }
+    }
+    Ok(answers)
+}
+
+/// Appends the record rows of `requests` with `status` to `sql`, as literals: keys in hex,
+/// fingerprints in hex digits, numbers, a status from the enum.
+fn push_rows<'a>(sql: &mut String, requests: impl Iterator<Item = &'a ClaimRequest>, status: RecordStatus) {
+    let literal = |value: Option<i64>| value.map_or_else(|| "NULL".to_owned(), |value| value.to_string());
+    for (i, request) in requests.enumerate() {
         let _ = write!(
             sql,
             "{separator}(X'{key}', '{status}', '{fingerprint}', {fence}, UTC_TIMESTAMP(6) + INTERVAL {lease} MICROSECOND, \
@@ -279,12 +376,6 @@ pub(crate) async fn claim_new_keys(
             lease = literal(request.lease.map(micros)),
         );
     }
-    let inserted = connection.execute(sqlx::raw_sql(&sql)).await?;
-    if inserted.rows_affected() == requests.len() as u64 {
-        return Ok(Some(vec![Begin::Started { attempt: 1 }; requests.len()]));
-    }
-    connection.execute("ROLLBACK TO SAVEPOINT oncely_claims").await?;
-    Ok(None)
 }
 
 /// `bytes` as hex digits, for an `X'…'` literal.

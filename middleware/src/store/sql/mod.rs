@@ -1,9 +1,11 @@
 //! What the SQL stores share, written once: how a record row reads back, what a claim
-//! that finds a row it may not take answers, and the batched transactional mode
-//! (`batched/`), which runs on any store's transactional record. Each SQL store
-//! (`postgres/`, `mysql/`) keeps its own statements and plumbing and calls these.
+//! that finds a row it may not take answers, the three-step store's claim coalescing
+//! (`coalesce.rs`), and the batched transactional mode (`batched/`), which runs on any
+//! store's transactional record. Each SQL store (`postgres/`, `mysql/`) keeps its own
+//! statements and plumbing and calls these.
 
 pub(crate) mod batched;
+pub(crate) mod coalesce;
 
 use std::time::Duration;
 

@@ -12,11 +12,12 @@ use sqlx::MySqlPool;
 pub use self::batched::{MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService};
 pub use self::transactional::{MysqlTransactionalLayer, MysqlTransactionalTicket};
 use super::Table;
-use super::claims::{Statements, claim, kept_error, key_of, read_record};
+use super::claims::{Statements, check_key_len, claim, claim_many, kept_error, key_of, read_record};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
+use crate::store::sql::coalesce::{ClaimMany, Coalescer};
 use crate::store::sql::{ClaimRequest, micros, to_i64};
 
 /// A three-step [`RecordStore`] on MySQL 8 or MariaDB, shared by every consumer process.
@@ -24,19 +25,22 @@ use crate::store::sql::{ClaimRequest, micros, to_i64};
 /// A claim of a new key is one `INSERT`; of a key with a row, one read of it and, when it
 /// may be taken over, an `UPDATE` that takes it. Each runs in autocommit, so what it locks
 /// (the row, or under REPEATABLE READ the index range a duplicate `INSERT` checks) is held
-/// for that one statement only. Leases and timestamps run on the server's clock, in UTC
-/// whatever the session's time zone.
+/// for that one statement only. With [coalescing](MysqlRecordStore::with_coalescing), the
+/// claims that wait at the same moment share two round trips: one read of the rows their
+/// keys have, one multi-row `INSERT` of the new keys. Leases and timestamps run on the
+/// server's clock, in UTC whatever the session's time zone.
 ///
 /// Limits: business keys up to [`MYSQL_MAX_KEY_BYTES`](crate::record::MYSQL_MAX_KEY_BYTES)
-/// (the route's default limit of 256 bytes fits): a longer one is refused with a [`StoreError`], never cut, since a cut key could
-/// be another key. Error texts are kept up to 16 KiB. No claim coalescing yet (PostgreSQL's
-/// only). For effects in the same database, the
-/// [`MysqlTransactionalLayer`] commits the record with them instead.
+/// (the route's default limit of 256 bytes fits): a longer one is refused with a
+/// [`StoreError`], never cut, since a cut key could be another key. Error texts are kept up
+/// to 16 KiB. For effects in the same database, the [`MysqlTransactionalLayer`] commits the
+/// record with them instead.
 #[derive(Clone)]
 pub struct MysqlRecordStore {
     pool: MySqlPool,
     table: Table,
     statements: Arc<Statements>,
+    coalescer: Option<Coalescer>,
 }
 
 impl MysqlRecordStore {
@@ -47,7 +51,26 @@ impl MysqlRecordStore {
             statements: Statements::new(&table),
             pool,
             table,
+            coalescer: None,
         }
+    }
+
+    /// Batches the claims of concurrent deliveries, group-commit style, as
+    /// `PgRecordStore::with_coalescing` does: a claim leaves at once, together with every
+    /// other claim waiting at that moment (up to `max_rows`), whenever fewer than
+    /// `max_batches` batches are on the wire; otherwise it joins the next. A lone claim adds
+    /// no delay. Each batch runs on its own pooled connection, so keep `max_batches` at or
+    /// below the pool's size.
+    ///
+    /// Starts a background task on the current Tokio runtime, which ends when the last clone
+    /// of the store is dropped.
+    pub fn with_coalescing(mut self, max_rows: usize, max_batches: usize) -> Self {
+        let claims = MysqlClaims {
+            pool: self.pool.clone(),
+            statements: self.statements.clone(),
+        };
+        self.coalescer = Some(Coalescer::spawn(claims, max_rows.max(1), max_batches));
+        self
     }
 
     /// The record table.
@@ -74,10 +97,31 @@ impl MysqlRecordStore {
     }
 }
 
+/// The coalesced claims of a [`MysqlRecordStore`]: a batch's keys in two round trips, on a
+/// pooled connection of its own.
+struct MysqlClaims {
+    pool: MySqlPool,
+    statements: Arc<Statements>,
+}
+
+impl ClaimMany for MysqlClaims {
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Result<Vec<Begin>, StoreError> {
+        let mut connection = self.pool.acquire().await?;
+        claim_many(
+            &mut connection,
+            &self.statements,
+            requests,
+            RecordStatus::Processing,
+        )
+        .await
+    }
+}
+
 impl fmt::Debug for MysqlRecordStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MysqlRecordStore")
             .field("table", &self.table)
+            .field("coalescing", &self.coalescer.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -96,6 +140,11 @@ impl RecordStore for MysqlRecordStore {
             fencing_token,
             lease: Some(lease),
         };
+        if let Some(coalescer) = &self.coalescer {
+            // Checked here: one key the table cannot hold must not fail its whole batch.
+            check_key_len(key)?;
+            return coalescer.claim(request).await;
+        }
         let mut connection = self.pool.acquire().await?;
         claim(
             &mut connection,

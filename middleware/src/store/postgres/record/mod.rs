@@ -16,7 +16,6 @@
 //! validated, and every value is a bound parameter.
 
 mod batched;
-mod coalesce;
 mod transactional;
 
 use std::fmt;
@@ -26,7 +25,6 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 
 pub use self::batched::{PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
-use self::coalesce::Coalescer;
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
@@ -34,6 +32,7 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
 use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch, read_record, to_i64};
 use crate::store::postgres::{Checkout, Table};
+use crate::store::sql::coalesce::{ClaimMany, Coalescer};
 
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
 ///
@@ -70,12 +69,11 @@ impl PgRecordStore {
     /// Starts a background task on the current Tokio runtime, which ends when the last clone
     /// of the store is dropped.
     pub fn with_coalescing(mut self, max_rows: usize, max_batches: usize) -> Self {
-        self.coalescer = Some(Coalescer::spawn(
-            self.pool.clone(),
-            self.statements.clone(),
-            max_rows.max(1),
-            max_batches,
-        ));
+        let claims = PgClaims {
+            pool: self.pool.clone(),
+            statements: self.statements.clone(),
+        };
+        self.coalescer = Some(Coalescer::spawn(claims, max_rows.max(1), max_batches));
         self
     }
 
@@ -101,6 +99,23 @@ impl PgRecordStore {
                 )
                 .await?;
             Ok(changed == 1)
+        })
+        .await
+    }
+}
+
+/// The coalesced claims of a [`PgRecordStore`]: one statement for a batch's keys, on a
+/// pooled connection of its own.
+struct PgClaims {
+    pool: Pool,
+    statements: Arc<Statements>,
+}
+
+impl ClaimMany for PgClaims {
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Result<Vec<Begin>, StoreError> {
+        Checkout::run(&self.pool, async |client| {
+            let claimed = claim_batch(client, &self.statements, requests, RecordStatus::Processing).await?;
+            Ok(claimed.answers)
         })
         .await
     }

@@ -1,37 +1,46 @@
-//! Claim coalescing: many deliveries' claims, one statement.
+//! Claim coalescing for the three-step stores: the claims of concurrent deliveries share
+//! round trips. How claims gather into batches is the same on every SQL store; each store
+//! says how it claims many distinct keys at once ([`ClaimMany`]).
 
+use std::future::Future;
 use std::sync::Arc;
 
-use deadpool_postgres::Pool;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::error::StoreError;
-use crate::record::{Begin, RecordStatus};
-use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch};
+use crate::record::Begin;
+use crate::store::sql::ClaimRequest;
+
+/// A store's claim of many distinct keys as `PROCESSING`, in few round trips.
+pub(crate) trait ClaimMany: Send + Sync + 'static {
+    /// Claims `requests`, whose keys are distinct, and answers each in their order.
+    fn claim_many(
+        &self,
+        requests: &[ClaimRequest],
+    ) -> impl Future<Output = Result<Vec<Begin>, StoreError>> + Send;
+}
 
 type Waiter = (ClaimRequest, oneshot::Sender<Result<Begin, StoreError>>);
 
 /// The handle to the batching task; clones share it.
 #[derive(Clone, Debug)]
-pub(super) struct Coalescer {
+pub(crate) struct Coalescer {
     queue: mpsc::Sender<Waiter>,
 }
 
 impl Coalescer {
-    pub(super) fn spawn(
-        pool: Pool,
-        statements: Arc<Statements>,
-        max_rows: usize,
-        max_batches: usize,
-    ) -> Self {
+    /// Starts the batching task of `claims` on the current runtime: batches of up to
+    /// `max_rows` claims, `max_batches` on the wire at once. It ends with the last clone.
+    pub(crate) fn spawn(claims: impl ClaimMany, max_rows: usize, max_batches: usize) -> Self {
         // Room for a few batches: beyond that, callers wait for the collector, which bounds
         // memory under overload instead of queueing without limit.
         let (queue, receiver) = mpsc::channel(max_rows * 4);
-        tokio::spawn(collect(receiver, pool, statements, max_rows, max_batches));
+        tokio::spawn(collect(receiver, Arc::new(claims), max_rows, max_batches));
         Coalescer { queue }
     }
 
-    pub(super) async fn claim(&self, request: ClaimRequest) -> Result<Begin, StoreError> {
+    /// Claims `request`'s key in the next batch.
+    pub(crate) async fn claim(&self, request: ClaimRequest) -> Result<Begin, StoreError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::new("the claim coalescer stopped");
         self.queue.send((request, reply)).await.map_err(|_| stopped())?;
@@ -44,10 +53,9 @@ impl Coalescer {
 /// An idle store therefore adds no delay to a lone claim, and under load claims pile up
 /// while the slots are busy and share the next round trip. (Closing batches on a timer
 /// instead made a lone claim wait for the timer: 13 times slower at one in flight.)
-async fn collect(
+async fn collect<C: ClaimMany>(
     mut receiver: mpsc::Receiver<Waiter>,
-    pool: Pool,
-    statements: Arc<Statements>,
+    claims: Arc<C>,
     max_rows: usize,
     max_batches: usize,
 ) {
@@ -67,9 +75,9 @@ async fn collect(
                 Err(_) => break,
             }
         }
-        let (pool, statements) = (pool.clone(), statements.clone());
+        let claims = claims.clone();
         tokio::spawn(async move {
-            run_batch(batch, pool, statements).await;
+            run_batch(batch, &*claims).await;
             drop(slot);
         });
     }
@@ -78,11 +86,7 @@ async fn collect(
 /// Runs one batch. A statement cannot claim one key twice, so the batch runs in rounds of
 /// distinct keys: a later copy of a key sees what the earlier one left, as if it had come
 /// after it.
-async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statements>) {
-    let client = match pool.get().await {
-        Ok(client) => client,
-        Err(error) => return fail_all(batch, &StoreError::from(error)),
-    };
+async fn run_batch(mut batch: Vec<Waiter>, claims: &impl ClaimMany) {
     while !batch.is_empty() {
         let mut round = Vec::new();
         let mut later = Vec::new();
@@ -97,9 +101,9 @@ async fn run_batch(mut batch: Vec<Waiter>, pool: Pool, statements: Arc<Statement
             }
         }
         let requests: Vec<ClaimRequest> = round.iter().map(|(request, _)| request.clone()).collect();
-        match claim_batch(&client, &statements, &requests, RecordStatus::Processing).await {
-            Ok(claimed) => {
-                for ((_, reply), answer) in round.into_iter().zip(claimed.answers) {
+        match claims.claim_many(&requests).await {
+            Ok(answers) => {
+                for ((_, reply), answer) in round.into_iter().zip(answers) {
                     // A caller that gave up (its future was dropped) no longer needs the answer.
                     let _ = reply.send(Ok(answer));
                 }
