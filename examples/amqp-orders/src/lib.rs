@@ -2,12 +2,10 @@
 //!
 //! What the two binaries share: connection settings, the queue, and the database schema.
 
-use deadpool_postgres::tokio_postgres::{Config, NoTls};
-use deadpool_postgres::{Manager, Pool};
-
 /// The work queue of the example.
 pub const QUEUE: &str = "amqp-orders";
-/// The PostgreSQL schema holding the example's record table and business tables.
+/// The PostgreSQL schema (the MySQL/MariaDB database, with `RECORD_STORE=mysql`) holding the
+/// example's record table and business tables.
 pub const SCHEMA: &str = "amqp_orders";
 /// How many SKUs the stock table holds; order `n` deducts from SKU `n % SKUS`.
 pub const SKUS: usize = 20;
@@ -30,20 +28,6 @@ pub fn serve_metrics() -> Result<std::net::SocketAddr, Box<dyn std::error::Error
 /// `AMQP_ADDR`, default `amqp://guest:guest@127.0.0.1:5672/%2f`.
 pub fn amqp_addr() -> String {
     setting("AMQP_ADDR", "amqp://guest:guest@127.0.0.1:5672/%2f")
-}
-
-/// A pool on `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) whose
-/// connections search the example's schema first.
-pub fn pool() -> Pool {
-    let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let config: Config = format!("{url}{separator}options=-csearch_path%3D{SCHEMA}")
-        .parse()
-        .expect("a valid DATABASE_URL");
-    Pool::builder(Manager::new(config, NoTls))
-        .max_size(16)
-        .build()
-        .expect("a pool")
 }
 
 /// The body of order `n`: one unit of its SKU.
