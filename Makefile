@@ -25,8 +25,9 @@ CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --
 	--handler-faults 2 --poison 2 --time-limit-s 300
 
 ## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks, the
-## README's first consumer (as the README runs it) and the short chaos runs (RabbitMQ with the record
-## per delivery and batched, then RocketMQ).
+## README's first consumer (as the README runs it), `amqp-orders` with the record on MariaDB (it exits
+## non-zero if an order was applied twice) and the short chaos runs (RabbitMQ with the record
+## per delivery and batched, the same two with the record on MariaDB, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
@@ -35,8 +36,12 @@ test: fmt lint doc services
 	$(CARGO) run -q -p first-consumer --bin send-red-packets; \
 	$(CARGO) run -q -p first-consumer | tee /dev/stderr | tr -s ' ' | \
 	  grep -c -e '^drained' -e '^ processed 100$$' -e '^ duplicates 30 ' -e '^ dead letters 1 (bad_body 1)$$' | grep -qx 4; \
+	$(CARGO) run -q -p amqp-orders --bin publisher -- 200; \
+	RECORD_STORE=mysql $(CARGO) run -q -p amqp-orders --bin consumer -- --drain; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --stack batched; \
+	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --store mysql; \
+	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --store mysql --stack batched; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT_ROCKETMQ); \
 	awk '/^test result:/ { passed += $$4; failed += $$6 } \
 	     END { printf "tests: %d passed, %d failed\n", passed, failed }' "$$log"
@@ -70,6 +75,7 @@ bench: services
 ## through four consumers in two processes (on RabbitMQ 3.10, then again on 4.0) while consumers are killed, Redis restarted and
 ## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
 ## swallows a failed statement on 0.5 % of calls each; then the same with the record batched;
+## then both again with the record on MariaDB (`MYSQL_URL`), its sessions ended with `KILL`;
 ## then the same through the red-packet shape (the flag with the record behind it, the record, no lock); then with the Redis flag
 ## alone; then 10,000 messages over 2,000 keys through RocketMQ on the rocketmq-points stack,
 ## with the broker restarted instead of connections dropped. Each report says how long the
@@ -81,6 +87,8 @@ chaos: services
 	$(TARGET_DIR)/release/chaos
 	AMQP_ADDR=$(AMQP_ADDR_4) $(TARGET_DIR)/release/chaos
 	$(TARGET_DIR)/release/chaos --stack batched
+	$(TARGET_DIR)/release/chaos --store mysql
+	$(TARGET_DIR)/release/chaos --store mysql --stack batched
 	$(TARGET_DIR)/release/chaos --stack flag-record
 	$(TARGET_DIR)/release/chaos --stack flag-only --report-only
 	$(TARGET_DIR)/release/chaos --broker rocketmq

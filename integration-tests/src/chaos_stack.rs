@@ -1,6 +1,7 @@
 //! The consumer side of the chaos ledger run (`make chaos`): the stacks in front of a
 //! handler that misbehaves on purpose — the stock-deduction stack for RabbitMQ, the
-//! `rocketmq-points` stack for RocketMQ — and the tables the run reads its verdict from.
+//! `rocketmq-points` stack for RocketMQ — and the tables the run reads its verdict from, in
+//! PostgreSQL or in MySQL/MariaDB ([`ChaosStore`]).
 //!
 //! The handler writes each order's effect as two rows in two statements (`stock_moves`
 //! parts 1 and 2), so an effect committed in half shows as a key with one part. With
@@ -32,15 +33,16 @@ use deadpool_postgres::{Client, Pool};
 use oncely::deliveries::RedisDeliveryCounter;
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::lock::{LockLayer, RedisLockStore};
-use oncely::postgres::Table;
-use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::mysql::sqlx::{self, MySqlPool};
+use oncely::record::{MysqlTransaction, PgTransaction};
 use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, handler_fn};
 use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
 use tower::layer::util::{Identity, Stack};
 use tower::timeout::TimeoutLayer;
 
-use crate::postgres::{RecordMode, schema_pool};
+use crate::mysql::lazy_pool_on;
+use crate::postgres::{BoxedStack, RecordMode, schema_pool};
 
 /// The environment variable that turns `amqp_consumer` to the chaos stack, and sets the
 /// handler faults of `rocketmq_consumer` (which runs only the chaos stack): the share of
@@ -71,20 +73,135 @@ pub const HANDLER_TIMEOUT: Duration = Duration::from_secs(1);
 /// killed delivery (held until its lease runs out) cannot by itself empty a window.
 const LEASE: Duration = Duration::from_secs(3);
 
-/// The tables the chaos stack writes, to create in the run's schema: the two-part effect
-/// with each row's write time, and the log of handler faults that fired.
-pub const TABLES: &str = "
-    CREATE TABLE stock_moves (
-        id BIGSERIAL PRIMARY KEY,
-        order_id TEXT NOT NULL,
-        part SMALLINT NOT NULL,
-        created_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
-    );
-    CREATE TABLE chaos_faults (
-        kind TEXT NOT NULL,
-        order_id TEXT NOT NULL,
-        at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
-    );";
+/// The database a chaos run keeps the record, the effects and the fault log in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ChaosStore {
+    /// PostgreSQL on `DATABASE_URL`, in a schema of the run's own.
+    Postgres,
+    /// MySQL or MariaDB on `MYSQL_URL`, in a database of the run's own.
+    Mysql,
+}
+
+impl ChaosStore {
+    /// The store as the run's report names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ChaosStore::Postgres => "PostgreSQL",
+            ChaosStore::Mysql => "MySQL/MariaDB",
+        }
+    }
+
+    /// The tables the chaos stack writes, to create in the run's schema or database: the
+    /// two-part effect with each row's write time, and the log of handler faults that fired.
+    pub fn tables(self) -> &'static str {
+        match self {
+            ChaosStore::Postgres => {
+                "CREATE TABLE stock_moves (
+                     id BIGSERIAL PRIMARY KEY,
+                     order_id TEXT NOT NULL,
+                     part SMALLINT NOT NULL,
+                     created_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+                 );
+                 CREATE TABLE chaos_faults (
+                     kind TEXT NOT NULL,
+                     order_id TEXT NOT NULL,
+                     at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+                 );"
+            }
+            // `DATETIME(6)` in the session's time zone, which sqlx sets to UTC on every
+            // connection, the consumers' and the run's alike.
+            ChaosStore::Mysql => {
+                "CREATE TABLE stock_moves (
+                     id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                     order_id VARCHAR(64) NOT NULL,
+                     part SMALLINT NOT NULL,
+                     created_at DATETIME(6) NOT NULL DEFAULT NOW(6),
+                     KEY (order_id)
+                 ) ENGINE = InnoDB;
+                 CREATE TABLE chaos_faults (
+                     kind VARCHAR(32) NOT NULL,
+                     order_id VARCHAR(64) NOT NULL,
+                     at DATETIME(6) NOT NULL DEFAULT NOW(6)
+                 ) ENGINE = InnoDB;"
+            }
+        }
+    }
+}
+
+/// Connections to the run's schema (PostgreSQL) or database (MySQL/MariaDB), where the chaos
+/// stack keeps its record, writes its effects and logs its faults.
+#[derive(Clone)]
+pub enum ChaosDatabase {
+    /// PostgreSQL: a pool whose connections search `schema` first.
+    Postgres {
+        /// The pool.
+        pool: Pool,
+        /// The run's schema.
+        schema: String,
+    },
+    /// MySQL or MariaDB: a pool on the run's database.
+    Mysql(MySqlPool),
+}
+
+impl ChaosDatabase {
+    /// A pool of up to `size` connections of `store` to the run's `schema` (its database,
+    /// on MySQL/MariaDB), connecting when first used.
+    pub fn new(store: ChaosStore, schema: &str, size: usize) -> Self {
+        match store {
+            ChaosStore::Postgres => ChaosDatabase::Postgres {
+                pool: schema_pool(schema, size),
+                schema: schema.to_owned(),
+            },
+            ChaosStore::Mysql => ChaosDatabase::Mysql(lazy_pool_on(schema, size as u32)),
+        }
+    }
+
+    /// `handler` behind the transactional record (`consumption_record`) in `mode`.
+    fn record_stack<S>(&self, mode: RecordMode, handler: S) -> BoxedStack
+    where
+        S: tower::Service<Envelope, Response = Outcome>
+            + oncely::record::TransactionSafe
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        match self {
+            ChaosDatabase::Postgres { pool, schema } => {
+                let records = oncely::postgres::Table::new(schema, "consumption_record");
+                mode.stack(pool, records.expect("a valid schema"), handler)
+            }
+            ChaosDatabase::Mysql(pool) => {
+                let records = oncely::mysql::Table::new("consumption_record").expect("a valid name");
+                mode.mysql_stack(pool, records, handler)
+            }
+        }
+    }
+
+    /// Logs `fault` for `order` in `chaos_faults`, in a transaction of its own; false if it
+    /// could not.
+    async fn log(&self, fault: HandlerFault, order: &str) -> bool {
+        match self {
+            ChaosDatabase::Postgres { pool, .. } => {
+                let Ok(client) = pool.get().await else {
+                    return false;
+                };
+                let insert = "INSERT INTO chaos_faults (kind, order_id) VALUES ($1, $2)";
+                client.execute(insert, &[&fault.code(), &order]).await.is_ok()
+            }
+            ChaosDatabase::Mysql(pool) => {
+                sqlx::query("INSERT INTO chaos_faults (kind, order_id) VALUES (?, ?)")
+                    .bind(fault.code())
+                    .bind(order)
+                    .execute(pool)
+                    .await
+                    .is_ok()
+            }
+        }
+    }
+}
 
 /// A fault the chaos handler injects into itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -136,33 +253,33 @@ impl HandlerFault {
 
 /// The handler faults of one consumer process: how often each fires, and the pool (in
 /// autocommit, outside any record transaction) that logs them.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct HandlerFaults {
     share: f64,
-    log: Pool,
+    log: ChaosDatabase,
 }
 
 impl HandlerFaults {
     /// Each of panic, timeout and swallowed error on `percent` % of the handler's calls
-    /// (at most one per call), logged through `log`, whose connections must search the
-    /// schema holding `chaos_faults` first.
-    pub fn new(percent: f64, log: Pool) -> Self {
+    /// (at most one per call), logged through `log`, a pool of their own on the run's
+    /// schema or database.
+    pub fn new(percent: f64, log: ChaosDatabase) -> Self {
         HandlerFaults {
             share: percent.clamp(0.0, 100.0 / 3.0) / 100.0,
             log,
         }
     }
 
-    /// The handler faults `ONCELY_CHAOS_FAULTS` asks for, logged in `schema`'s
-    /// `chaos_faults` through a small pool of their own; `None` when it is not set. Exits the
-    /// process (status 2) when it is not a number.
-    pub fn from_env(schema: &str) -> Option<Self> {
+    /// The handler faults `ONCELY_CHAOS_FAULTS` asks for, logged in `chaos_faults` of
+    /// `store`'s `schema` (a database, on MySQL/MariaDB) through a small pool of their own;
+    /// `None` when it is not set. Exits the process (status 2) when it is not a number.
+    pub fn from_env(store: ChaosStore, schema: &str) -> Option<Self> {
         let percent = std::env::var(FAULTS_ENV).ok()?;
         let percent = percent.parse::<f64>().unwrap_or_else(|error| {
             eprintln!("{FAULTS_ENV}={percent:?}: {error}");
             std::process::exit(2);
         });
-        Some(HandlerFaults::new(percent, schema_pool(schema, 2)))
+        Some(HandlerFaults::new(percent, ChaosDatabase::new(store, schema, 2)))
     }
 
     /// The fault this call gets, if any: random per call, so a retry draws again.
@@ -184,16 +301,7 @@ impl HandlerFaults {
     /// Logs `fault` for `order` and says whether it may fire: true only if it is logged, so
     /// the run's count of faults is exact.
     async fn log(&self, fault: HandlerFault, order: &str) -> bool {
-        let Ok(client) = self.log.get().await else {
-            return false;
-        };
-        client
-            .execute(
-                "INSERT INTO chaos_faults (kind, order_id) VALUES ($1, $2)",
-                &[&fault.code(), &order],
-            )
-            .await
-            .is_ok()
+        self.log.log(fault, order).await
     }
 
     /// True if `drawn` is `fault` and its log entry was written: the caller fires it now.
@@ -205,9 +313,10 @@ impl HandlerFaults {
 /// Where the handler writes its two rows.
 #[derive(Clone)]
 enum Effects {
-    /// In the transaction the record tier hands on: the full stack.
+    /// In the transaction the record tier hands on: the stacks with a record.
     InRecordTransaction,
-    /// Each statement on its own (autocommit): the flag-only stack, with no record.
+    /// Each statement on its own (autocommit) on PostgreSQL: the flag-only stack, with no
+    /// record.
     Autocommit(Pool),
 }
 
@@ -228,46 +337,86 @@ impl ChaosHandler {
             kill_this_process();
         }
         let pooled;
-        let client: &Client = match &self.effects {
-            Effects::InRecordTransaction => envelope
-                .extensions()
-                .get::<PgTransaction>()
-                .expect("the transactional record tier in front")
-                .client(),
+        let session = match &self.effects {
+            Effects::InRecordTransaction => EffectSession::in_record_transaction(&envelope),
             Effects::Autocommit(pool) => {
                 pooled = pool.get().await?;
-                &pooled
+                EffectSession::Postgres(&pooled)
             }
         };
         let fault = self.faults.draw();
-        write_part(client, order, 1).await?;
+        session.write_part(order, 1).await?;
         if self.faults.fires(fault, HandlerFault::Panic, order).await {
             panic!("chaos: injected panic between the two writes of {order}");
         }
         if self.faults.fires(fault, HandlerFault::Timeout, order).await {
             tokio::time::sleep(HANDLER_TIMEOUT * 3).await;
         }
-        write_part(client, order, 2).await?;
+        session.write_part(order, 2).await?;
         if self
             .faults
             .fires(fault, HandlerFault::SwallowedError, order)
             .await
         {
             // The bug being injected: the error is dropped and the handler reports success.
-            let _ = client.execute("SELECT 1/0", &[]).await;
+            let _ = session.failing_statement().await;
         }
         Ok(())
     }
 }
 
-async fn write_part(client: &Client, order: &str, part: i16) -> Result<(), HandlerError> {
-    client
-        .execute(
-            "INSERT INTO stock_moves (order_id, part) VALUES ($1, $2)",
-            &[&order, &part],
-        )
-        .await?;
-    Ok(())
+/// Where one call of the chaos handler writes.
+enum EffectSession<'a> {
+    /// A PostgreSQL connection: the record's transaction, or a pooled one in autocommit.
+    Postgres(&'a Client),
+    /// The MySQL record's transaction.
+    Mysql(MysqlTransaction),
+}
+
+impl<'a> EffectSession<'a> {
+    /// The transaction the record tier in front put in `envelope`'s extensions.
+    fn in_record_transaction(envelope: &'a Envelope) -> Self {
+        let extensions = envelope.extensions();
+        match (
+            extensions.get::<PgTransaction>(),
+            extensions.get::<MysqlTransaction>(),
+        ) {
+            (Some(tx), _) => EffectSession::Postgres(tx.client()),
+            (None, Some(tx)) => EffectSession::Mysql(tx.clone()),
+            (None, None) => panic!("the transactional record tier in front"),
+        }
+    }
+
+    async fn write_part(&self, order: &str, part: i16) -> Result<(), HandlerError> {
+        match self {
+            EffectSession::Postgres(client) => {
+                let insert = "INSERT INTO stock_moves (order_id, part) VALUES ($1, $2)";
+                client.execute(insert, &[&order, &part]).await?;
+            }
+            EffectSession::Mysql(tx) => {
+                sqlx::query("INSERT INTO stock_moves (order_id, part) VALUES (?, ?)")
+                    .bind(order)
+                    .bind(part)
+                    .execute(tx)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A statement that fails on either store (a column that does not exist).
+    async fn failing_statement(&self) -> Result<(), HandlerError> {
+        const FAILS: &str = "SELECT no_such_column FROM stock_moves";
+        match self {
+            EffectSession::Postgres(client) => {
+                client.execute(FAILS, &[]).await?;
+            }
+            EffectSession::Mysql(tx) => {
+                sqlx::query(FAILS).execute(tx).await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 fn is_poison(envelope: &Envelope) -> bool {
@@ -291,11 +440,11 @@ fn kill_this_process() -> ! {
 /// STACK argument, with or without [`FAULTS_ENV`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChaosStack {
-    /// The Redis flag, the Redis lock and the PostgreSQL record: [`chaos_orders_route`].
+    /// The Redis flag, the Redis lock and the record: [`chaos_orders_route`].
     Full,
     /// The Redis flag alone, for comparison: [`chaos_flag_only_route`].
     FlagOnly,
-    /// The Redis flag with the record behind it and the PostgreSQL record, no lock:
+    /// The Redis flag with the record behind it and the record, no lock:
     /// [`chaos_flag_record_route`].
     FlagRecord,
     /// The full stack with the record batched: [`chaos_orders_route`] with
@@ -342,13 +491,11 @@ impl fmt::Display for ChaosStack {
 }
 
 /// The full stack of the chaos run: a `tower::timeout` outermost, then the Redis flag, the
-/// Redis lock on the body's `/sku` and the PostgreSQL record in transactional mode (`mode`:
-/// per delivery or batched), to the chaos handler writing in the record's transaction.
-/// Keyed by the body's `/orderId`. `pool`'s connections must search the run's schema first;
-/// Redis keys start with `prefix`.
+/// Redis lock on the body's `/sku` and the transactional record in `database` (`mode`: per
+/// delivery or batched), to the chaos handler writing in the record's transaction. Keyed by
+/// the body's `/orderId`; Redis keys start with `prefix`.
 pub fn chaos_orders_route(
-    pool: Pool,
-    records: Table,
+    database: ChaosDatabase,
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
@@ -363,11 +510,7 @@ pub fn chaos_orders_route(
             .with_lease(LEASE)
             .with_busy_delay(Duration::from_millis(100)),
         )
-        .service(mode.stack(
-            &pool,
-            records,
-            handler_service(Effects::InRecordTransaction, faults),
-        ));
+        .service(database.record_stack(mode, handler_service(Effects::InRecordTransaction, faults)));
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
@@ -375,18 +518,16 @@ pub fn chaos_orders_route(
 /// the message's KEYS in the namespace `credit_points`, with a [`DELIVERY_LIMIT`] counted in
 /// the Redis of `deliveries` (RocketMQ does not count the redeliveries of a consumer that
 /// died), through a `tower::timeout` outermost, the Redis flag (on `redis`, with the record
-/// behind it) and the PostgreSQL record in transactional mode, to the chaos handler writing
-/// in the record's transaction. `pool`'s connections must search the run's schema first;
-/// Redis keys start with `prefix`.
+/// behind it) and the transactional record in `database`, to the chaos handler writing in
+/// the record's transaction. Redis keys start with `prefix`.
 pub fn chaos_points_route(
-    pool: Pool,
-    records: Table,
+    database: ChaosDatabase,
     redis: ConnectionManager,
     deliveries: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = flag_and_record(pool, records, redis, prefix, faults);
+    let stack = flag_and_record(database, redis, prefix, faults);
     Route::new(
         "credit_points",
         KeyExtractor::broker_key().with_namespace("credit_points"),
@@ -399,8 +540,8 @@ pub fn chaos_points_route(
 }
 
 /// The flag-only stack for comparison, with the same timeout and handler faults: the Redis
-/// flag in front of the chaos handler writing each row on its own (no record, no
-/// transaction).
+/// flag in front of the chaos handler writing each row on its own in PostgreSQL (no record,
+/// no transaction). `pool`'s connections must search the run's schema first.
 pub fn chaos_flag_only_route(
     pool: Pool,
     redis: ConnectionManager,
@@ -413,31 +554,28 @@ pub fn chaos_flag_only_route(
 }
 
 /// The red-packet shape with the same timeout and handler faults: the Redis flag with the
-/// record behind it ([`FlagLayer::with_record_behind`]) in front of the PostgreSQL record in
-/// transactional mode, no lock, to the chaos handler writing in the record's transaction.
+/// record behind it ([`FlagLayer::with_record_behind`]) in front of the transactional record
+/// in `database`, no lock, to the chaos handler writing in the record's transaction.
 pub fn chaos_flag_record_route(
-    pool: Pool,
-    records: Table,
+    database: ChaosDatabase,
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = flag_and_record(pool, records, redis, prefix, faults);
+    let stack = flag_and_record(database, redis, prefix, faults);
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
 /// The timeout, the flag with the record behind it and the record, in front of the chaos
 /// handler writing in the record's transaction.
 fn flag_and_record(
-    pool: Pool,
-    records: Table,
+    database: ChaosDatabase,
     redis: ConnectionManager,
     prefix: &str,
     faults: HandlerFaults,
 ) -> impl crate::RouteStack<BoxError> + use<> {
-    timeout_and_flag(redis, prefix, true)
-        .layer(PgTransactionalLayer::new(pool, records))
-        .service(handler_service(Effects::InRecordTransaction, faults))
+    let handler = handler_service(Effects::InRecordTransaction, faults);
+    timeout_and_flag(redis, prefix, true).service(database.record_stack(RecordMode::PerDelivery, handler))
 }
 
 /// The chaos handler writing its effect as `effects` says, with `faults`.

@@ -1,6 +1,6 @@
 //! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only|flag-record|batched]
-//! [CONNECTION_NAME] [--drain-ms MS]` (started by the AMQP tests and `make chaos`, which kill
-//! it with SIGKILL mid-run).
+//! [CONNECTION_NAME] [--drain-ms MS] [--store postgres|mysql]` (started by the AMQP tests and
+//! `make chaos`, which kill it with SIGKILL mid-run).
 //!
 //! One consumer process of the stock-deduction route: two runners on the queue, each on
 //! its own connection (named CONNECTION_NAME, so a test can drop exactly these), through the
@@ -14,6 +14,11 @@
 //! `tower::timeout` in front of the chaos handler of `integration_tests::chaos_stack`: a
 //! two-row effect, PERCENT % of calls each panicking, timing out and swallowing a failed
 //! statement, and poison messages that SIGKILL this process.
+//!
+//! With `--store mysql`, the record, the effects and the fault log are in the database
+//! SCHEMA on `MYSQL_URL` (MySQL or MariaDB), and the process always runs the chaos stack
+//! (without handler faults if `ONCELY_CHAOS_FAULTS` is not set); the flag-only stack runs on
+//! PostgreSQL only.
 
 use std::time::Duration;
 
@@ -23,7 +28,8 @@ use integration_tests::amqp::{
     test_topology,
 };
 use integration_tests::chaos_stack::{
-    ChaosStack, HandlerFaults, chaos_flag_only_route, chaos_flag_record_route, chaos_orders_route,
+    ChaosDatabase, ChaosStack, ChaosStore, HandlerFaults, chaos_flag_only_route, chaos_flag_record_route,
+    chaos_orders_route,
 };
 use integration_tests::postgres::{RecordMode, schema_pool};
 use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
@@ -31,6 +37,7 @@ use lapin::{Connection, ConnectionProperties};
 use oncely::postgres::Table;
 use oncely::{BoxError, Envelope, Outcome, Route};
 use oncely_amqp::{Runner, SuspectGate};
+use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
 /// The command line.
@@ -38,7 +45,8 @@ use tokio_util::sync::CancellationToken;
 struct Args {
     /// The work queue.
     queue: String,
-    /// The PostgreSQL schema of the record and `stock_moves`.
+    /// The PostgreSQL schema (the MySQL database, with `--store mysql`) of the record and
+    /// `stock_moves`.
     schema: String,
     /// The Redis key prefix.
     prefix: String,
@@ -52,6 +60,9 @@ struct Args {
     /// their reports.
     #[arg(long)]
     drain_ms: Option<u64>,
+    /// Where the record and the effects are.
+    #[arg(long, value_enum, default_value_t = ChaosStore::Postgres)]
+    store: ChaosStore,
 }
 
 /// Runs two runners of `route` on the queue, sharing one suspect gate, until the process is
@@ -102,34 +113,48 @@ async fn main() {
     let args = Args::parse();
     let (schema, prefix) = (args.schema.as_str(), args.prefix.as_str());
     let redis = redis_connection(&redis_url()).await;
+    match (args.store, HandlerFaults::from_env(args.store, schema)) {
+        (ChaosStore::Postgres, None) => consume_plain(redis, &args).await,
+        (store, faults) => {
+            let faults =
+                faults.unwrap_or_else(|| HandlerFaults::new(0.0, ChaosDatabase::new(store, schema, 2)));
+            let database = ChaosDatabase::new(store, schema, 8);
+            match (args.stack, database) {
+                (ChaosStack::Full, database) => {
+                    let route = chaos_orders_route(database, redis, prefix, faults, RecordMode::PerDelivery);
+                    consume(route, &args).await;
+                }
+                (ChaosStack::Batched, database) => {
+                    let route = chaos_orders_route(database, redis, prefix, faults, RecordMode::Batched);
+                    consume(route, &args).await;
+                }
+                (ChaosStack::FlagRecord, database) => {
+                    consume(chaos_flag_record_route(database, redis, prefix, faults), &args).await;
+                }
+                (ChaosStack::FlagOnly, ChaosDatabase::Postgres { pool, .. }) => {
+                    consume(chaos_flag_only_route(pool, redis, prefix, faults), &args).await;
+                }
+                (ChaosStack::FlagOnly, ChaosDatabase::Mysql(_)) => {
+                    eprintln!("amqp_consumer: the flag-only stack runs on PostgreSQL only");
+                    std::process::exit(2);
+                }
+            }
+        }
+    }
+}
+
+/// The stack's plain route, without the chaos handler: one `stock_moves` row per order, in
+/// PostgreSQL.
+async fn consume_plain(redis: ConnectionManager, args: &Args) {
+    let (schema, prefix) = (args.schema.as_str(), args.prefix.as_str());
     let pool = schema_pool(schema, 8);
     let records = || Table::new(schema, "consumption_record").expect("a valid schema");
-    match (args.stack, HandlerFaults::from_env(schema)) {
-        (ChaosStack::Full, None) => consume(orders_route(pool, records(), redis, prefix), &args).await,
-        (ChaosStack::Full, Some(faults)) => {
-            let route = chaos_orders_route(pool, records(), redis, prefix, faults, RecordMode::PerDelivery);
-            consume(route, &args).await;
-        }
-        (ChaosStack::Batched, None) => {
-            consume(batched_orders_route(pool, records(), redis, prefix), &args).await;
-        }
-        (ChaosStack::Batched, Some(faults)) => {
-            let route = chaos_orders_route(pool, records(), redis, prefix, faults, RecordMode::Batched);
-            consume(route, &args).await;
-        }
-        (ChaosStack::FlagOnly, None) => consume(flag_only_orders_route(pool, redis, prefix), &args).await,
-        (ChaosStack::FlagOnly, Some(faults)) => {
-            consume(chaos_flag_only_route(pool, redis, prefix, faults), &args).await;
-        }
-        (ChaosStack::FlagRecord, None) => {
-            consume(flag_record_orders_route(pool, records(), redis, prefix), &args).await;
-        }
-        (ChaosStack::FlagRecord, Some(faults)) => {
-            consume(
-                chaos_flag_record_route(pool, records(), redis, prefix, faults),
-                &args,
-            )
-            .await;
+    match args.stack {
+        ChaosStack::Full => consume(orders_route(pool, records(), redis, prefix), args).await,
+        ChaosStack::Batched => consume(batched_orders_route(pool, records(), redis, prefix), args).await,
+        ChaosStack::FlagOnly => consume(flag_only_orders_route(pool, redis, prefix), args).await,
+        ChaosStack::FlagRecord => {
+            consume(flag_record_orders_route(pool, records(), redis, prefix), args).await;
         }
     }
 }

@@ -12,11 +12,11 @@
 //! `ONCELY_CHAOS_FAULTS=PERCENT` sets the handler faults (none when unset; poison messages
 //! SIGKILL this process either way).
 
-use integration_tests::chaos_stack::{DELIVERIES_REDIS_ENV, HandlerFaults, chaos_points_route};
-use integration_tests::postgres::schema_pool;
+use integration_tests::chaos_stack::{
+    ChaosDatabase, ChaosStore, DELIVERIES_REDIS_ENV, HandlerFaults, chaos_points_route,
+};
 use integration_tests::rocketmq::ScratchRocketMq;
 use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
-use oncely::postgres::Table;
 use oncely_rocketmq::ConcurrentListener;
 use tokio::runtime::Handle;
 
@@ -31,10 +31,11 @@ async fn main() {
     let redis = redis_connection(&redis_url()).await;
     let deliveries_url = std::env::var(DELIVERIES_REDIS_ENV).unwrap_or_else(|_| redis_url());
     let deliveries = redis_connection(&deliveries_url).await;
-    let records = Table::new(schema, "consumption_record").expect("a valid schema");
-    let faults =
-        HandlerFaults::from_env(schema).unwrap_or_else(|| HandlerFaults::new(0.0, schema_pool(schema, 2)));
-    let route = chaos_points_route(schema_pool(schema, 8), records, redis, deliveries, prefix, faults);
+    let store = ChaosStore::Postgres;
+    let faults = HandlerFaults::from_env(store, schema)
+        .unwrap_or_else(|| HandlerFaults::new(0.0, ChaosDatabase::new(store, schema, 2)));
+    let database = ChaosDatabase::new(store, schema, 8);
+    let route = chaos_points_route(database, redis, deliveries, prefix, faults);
 
     let mut rocketmq = ScratchRocketMq::with_names(
         "chaos-consumer",

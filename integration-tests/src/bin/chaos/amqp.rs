@@ -2,8 +2,9 @@
 //! broker's own fault (the consumers' connections closed by the broker), the quiet-queue
 //! check and the dead-letter queue.
 
+use clap::ValueEnum;
 use integration_tests::amqp::{Broker, close_connections_named, connect, drain, scratch_topology};
-use integration_tests::chaos_stack::ChaosStack;
+use integration_tests::chaos_stack::{ChaosStack, ChaosStore};
 use lapin::Channel;
 use lapin::message::BasicGetMessage;
 use lapin::types::AMQPValue;
@@ -31,18 +32,28 @@ impl Amqp {
         Amqp { topology, channel }
     }
 
-    /// The arguments of `amqp_consumer`: the run's queue, its schema and Redis prefix, the
-    /// stack, and the name of its connections.
+    /// The arguments of `amqp_consumer`: the run's queue, its schema (or database) and Redis
+    /// prefix, the stack, the name of its connections, and the store.
     pub(crate) fn consumer_args(
         &self,
         schema: &str,
         prefix: &str,
         stack: ChaosStack,
+        store: ChaosStore,
         name: &str,
     ) -> Vec<String> {
-        [self.topology.queue(), schema, prefix, stack.name(), name]
-            .map(str::to_owned)
-            .to_vec()
+        let store = store.to_possible_value().expect("no store is hidden");
+        [
+            self.topology.queue(),
+            schema,
+            prefix,
+            stack.name(),
+            name,
+            "--store",
+            store.get_name(),
+        ]
+        .map(str::to_owned)
+        .to_vec()
     }
 
     /// A publisher to the run's queue on a connection of its own.

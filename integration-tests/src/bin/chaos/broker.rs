@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use integration_tests::chaos_stack::ChaosStack;
 use tokio::task::JoinHandle;
 
 use crate::dead_letters::DeadLetters;
@@ -45,17 +44,18 @@ impl Broker {
     }
 
     /// The consumer binary, its arguments, and its environment beside the run's own.
+    /// `schema` is the run's schema, or its database on MySQL/MariaDB.
     pub(crate) fn consumer(
         &self,
         schema: &str,
         prefix: &str,
-        stack: ChaosStack,
+        options: &Options,
         name: &str,
     ) -> ConsumerCommand {
         match self {
             Broker::Amqp(amqp) => (
                 "amqp_consumer",
-                amqp.consumer_args(schema, prefix, stack, name),
+                amqp.consumer_args(schema, prefix, options.stack, options.store, name),
                 Vec::new(),
             ),
             Broker::RocketMq(rocketmq) => (

@@ -2,6 +2,8 @@
 
 use std::time::{Duration, Instant};
 
+use integration_tests::chaos_stack::ChaosStore;
+
 use crate::options::{BrokerKind, Options};
 
 /// A fault this process injects from outside the consumers.
@@ -13,8 +15,10 @@ pub(crate) enum Fault {
     RestartRedis,
     /// The run's Redis emptied (`FLUSHALL`).
     FlushRedis,
-    /// The consumers' PostgreSQL connections terminated.
+    /// The consumers' PostgreSQL connections terminated (`pg_terminate_backend`).
     TerminatePostgres,
+    /// The consumers' MySQL/MariaDB sessions killed (`KILL`).
+    KillMysql,
     /// RabbitMQ: the consumers' connections closed by the broker.
     DropAmqp,
     /// RocketMQ: the broker SIGKILLed and started again from its store.
@@ -22,24 +26,24 @@ pub(crate) enum Fault {
 }
 
 impl Fault {
-    /// The faults of a run on `broker`, in the order they are injected.
-    pub(crate) fn of(broker: BrokerKind) -> &'static [Fault] {
-        match broker {
-            BrokerKind::Amqp => &[
-                Fault::KillConsumer,
-                Fault::RestartRedis,
-                Fault::FlushRedis,
-                Fault::TerminatePostgres,
-                Fault::DropAmqp,
-            ],
-            BrokerKind::RocketMq => &[
-                Fault::KillConsumer,
-                Fault::RestartRedis,
-                Fault::FlushRedis,
-                Fault::TerminatePostgres,
-                Fault::RestartBroker,
-            ],
-        }
+    /// The faults of a run on `broker` with the record on `store`, in the order they are
+    /// injected.
+    pub(crate) fn of(broker: BrokerKind, store: ChaosStore) -> [Fault; 5] {
+        let database = match store {
+            ChaosStore::Postgres => Fault::TerminatePostgres,
+            ChaosStore::Mysql => Fault::KillMysql,
+        };
+        let broker = match broker {
+            BrokerKind::Amqp => Fault::DropAmqp,
+            BrokerKind::RocketMq => Fault::RestartBroker,
+        };
+        [
+            Fault::KillConsumer,
+            Fault::RestartRedis,
+            Fault::FlushRedis,
+            database,
+            broker,
+        ]
     }
 
     /// The fault as the report names it.
@@ -49,6 +53,7 @@ impl Fault {
             Fault::RestartRedis => "Redis stop+restart",
             Fault::FlushRedis => "Redis FLUSHALL",
             Fault::TerminatePostgres => "pg_terminate_backend",
+            Fault::KillMysql => "MySQL KILL",
             Fault::DropAmqp => "AMQP connections closed",
             Fault::RestartBroker => "broker SIGKILL+restart",
         }
@@ -71,7 +76,7 @@ pub(crate) struct Schedule {
 impl Schedule {
     /// The schedule of a run with `options`, starting now.
     pub(crate) fn new(options: &Options) -> Self {
-        let faults = Fault::of(options.broker);
+        let faults = Fault::of(options.broker, options.store);
         let now = Instant::now();
         Schedule {
             rotation: faults

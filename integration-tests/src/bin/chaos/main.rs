@@ -1,6 +1,7 @@
 //! Run with: `make chaos` (the RabbitMQ run of the full stack, the same with the flag alone
 //! for comparison, then the RocketMQ run), or `cargo run -p integration-tests --bin chaos --
-//! [--broker amqp|rocketmq] [--messages N] [--keys K] [--stack full|flag-only]
+//! [--broker amqp|rocketmq] [--messages N] [--keys K] [--stack full|batched|flag-record|flag-only]
+//! [--store postgres|mysql]
 //! [--rate PER_SECOND] [--fault-every-ms MS] [--broker-restart-every-s S]
 //! [--handler-faults PERCENT] [--poison P] [--time-limit-s S] [--report-only]` (build
 //! `amqp_consumer` and `rocketmq_consumer` first; they are started from the same directory
@@ -13,8 +14,8 @@
 //! behind a `tower::timeout`, writing each effect as two rows in two statements:
 //!
 //! - `--broker amqp` (the default): RabbitMQ, two runners per process (`amqp_consumer`) on
-//!   the stock-deduction stack (Redis flag, Redis lock, PostgreSQL record), or with
-//!   `--stack flag-only` the Redis flag alone;
+//!   the stock-deduction stack (Redis flag, Redis lock, the record on PostgreSQL, or with
+//!   `--store mysql` on MySQL/MariaDB), or with `--stack flag-only` the Redis flag alone;
 //! - `--broker rocketmq`: RocketMQ, one push consumer per process (`rocketmq_consumer`) with
 //!   oncely's concurrent listener on the `rocketmq-points` stack (a delivery limit counted in
 //!   Redis, the Redis flag, the PostgreSQL record), keyed by KEYS; smaller and slower by
@@ -24,8 +25,8 @@
 //!
 //! - by this process, in turn every `--fault-every-ms`: SIGKILL of a consumer process
 //!   (restarted at once), Redis stopped for a second and restarted empty, Redis flushed, the
-//!   consumers' PostgreSQL connections terminated, and with RabbitMQ the consumers'
-//!   connections closed by the broker. With RocketMQ, the broker process is SIGKILLed and
+//!   consumers' PostgreSQL connections terminated (with `--store mysql`: their MySQL/MariaDB
+//!   sessions `KILL`ed), and with RabbitMQ the consumers' connections closed by the broker. With RocketMQ, the broker process is SIGKILLed and
 //!   started again from its store (`integration-tests/services.sh`, which also starts it
 //!   should the run end while it is down) on a period of its own: its clients refuse to
 //!   reconnect for 30 s after it (see `rocketmq::CLIENT_LOCKOUT`);
@@ -35,9 +36,10 @@
 //!   process, which this process notices and restarts.
 //!
 //! Redis is an instance of the run's own on a free port (with RocketMQ, a second one, left
-//! alone by the faults, holds the delivery counts); PostgreSQL and the broker are the shared
-//! servers, where the run touches only its own schema, queues or topics and consumer group,
-//! and connections (found by name).
+//! alone by the faults, holds the delivery counts); PostgreSQL (or MySQL/MariaDB) and the
+//! broker are the shared servers, where the run touches only its own schema (database),
+//! queues or topics and consumer group, and connections (found by name; on MySQL/MariaDB,
+//! by the database they use).
 //!
 //! The faults stop once the last message is sent and, with RabbitMQ, every key is applied
 //! (RocketMQ's retries back off to minutes; faults past the last message would only stretch

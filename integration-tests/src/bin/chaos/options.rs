@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use integration_tests::chaos_stack::ChaosStack;
+use integration_tests::chaos_stack::{ChaosStack, ChaosStore};
 
 /// The broker a run goes through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -41,6 +41,10 @@ struct Args {
     /// The consumers' stack: full, batched, flag-record or flag-only (amqp only) [default: full].
     #[arg(long)]
     stack: Option<ChaosStack>,
+    /// Where the record and the effects are: postgres (`DATABASE_URL`) or mysql (`MYSQL_URL`,
+    /// MySQL or MariaDB; amqp only, not with flag-only).
+    #[arg(long, value_enum, default_value_t = ChaosStore::Postgres)]
+    store: ChaosStore,
     /// Messages published per second [default: 2000 (amqp), 100 (rocketmq)].
     #[arg(long)]
     rate: Option<u64>,
@@ -76,6 +80,7 @@ pub(crate) struct Options {
     /// Percent of handler calls that get each handler fault.
     pub(crate) handler_faults: f64,
     pub(crate) stack: ChaosStack,
+    pub(crate) store: ChaosStore,
     pub(crate) rate: u64,
     pub(crate) fault_every: Duration,
     /// RocketMQ: how often the broker is restarted, apart from the other faults.
@@ -100,6 +105,7 @@ impl Options {
             poison: 5,
             handler_faults: 0.5,
             stack: ChaosStack::Full,
+            store: ChaosStore::Postgres,
             rate,
             fault_every: Duration::from_millis(fault_every_ms),
             broker_restart_every: Duration::from_secs(45),
@@ -120,6 +126,7 @@ impl Options {
             poison: args.poison.unwrap_or(defaults.poison),
             handler_faults: args.handler_faults.unwrap_or(defaults.handler_faults),
             stack: args.stack.unwrap_or(defaults.stack),
+            store: args.store,
             rate: args.rate.map_or(defaults.rate, |rate| rate.max(1)),
             fault_every: args
                 .fault_every_ms
@@ -138,9 +145,16 @@ impl Options {
         if self.keys == 0 || self.messages < self.keys {
             return Err("--messages must be at least --keys, and --keys at least 1".into());
         }
-        match (self.broker, self.stack) {
-            (BrokerKind::Amqp, _) | (BrokerKind::RocketMq, ChaosStack::Full) => Ok(()),
-            (BrokerKind::RocketMq, _) => Err("--broker rocketmq runs the full stack only".into()),
+        match (self.broker, self.stack, self.store) {
+            (BrokerKind::RocketMq, _, ChaosStore::Mysql) => {
+                Err("--broker rocketmq runs with --store postgres only".into())
+            }
+            (BrokerKind::RocketMq, ChaosStack::Full, _) => Ok(()),
+            (BrokerKind::RocketMq, _, _) => Err("--broker rocketmq runs the full stack only".into()),
+            (BrokerKind::Amqp, ChaosStack::FlagOnly, ChaosStore::Mysql) => {
+                Err("--stack flag-only runs with --store postgres only".into())
+            }
+            (BrokerKind::Amqp, _, _) => Ok(()),
         }
     }
 }

@@ -14,7 +14,7 @@ use integration_tests::thousands;
 use crate::dead_letters::{DELIVERY_LIMIT, DeadLetters};
 use crate::faults::Fault;
 use crate::options::{BrokerKind, Options};
-use crate::tables::{Ledger, Throughput, WINDOW_SECONDS};
+use crate::tables::{Ledger, Throughput, WINDOW};
 
 /// The run's outcome against the ledger, and the faults it went through.
 pub(crate) struct Report {
@@ -183,8 +183,9 @@ impl Report {
             n => format!("; {n} left out, within a broker restart's client lockout"),
         };
         format!(
-            "{:.1} effects/s (effects per {WINDOW_SECONDS} s window: {}{left_out})",
-            lowest as f64 / WINDOW_SECONDS as f64,
+            "{:.1} effects/s (effects per {} s window: {}{left_out})",
+            lowest as f64 / WINDOW.as_secs_f64(),
+            WINDOW.as_secs(),
             windows.join(", ")
         )
     }
@@ -202,21 +203,22 @@ impl Report {
     /// The broker and the stack the run went through.
     fn title(&self) -> String {
         let timeout = HANDLER_TIMEOUT.as_secs_f64();
+        let store = self.options.store.name();
         match (self.options.broker, self.options.stack) {
             (BrokerKind::Amqp, ChaosStack::Full) => format!(
-                "RabbitMQ, full stack: tower timeout ({timeout} s), Redis flag, Redis lock, PostgreSQL record (transactional)"
+                "RabbitMQ, full stack: tower timeout ({timeout} s), Redis flag, Redis lock, {store} record (transactional)"
             ),
             (BrokerKind::Amqp, ChaosStack::FlagOnly) => format!(
                 "RabbitMQ, flag only: tower timeout ({timeout} s), Redis flag, handler writes on its own"
             ),
             (BrokerKind::Amqp, ChaosStack::FlagRecord) => format!(
-                "RabbitMQ, flag and record: tower timeout ({timeout} s), Redis flag (record behind), PostgreSQL record (transactional)"
+                "RabbitMQ, flag and record: tower timeout ({timeout} s), Redis flag (record behind), {store} record (transactional)"
             ),
             (BrokerKind::Amqp, ChaosStack::Batched) => format!(
-                "RabbitMQ, full stack, batched: tower timeout ({timeout} s), Redis flag, Redis lock, PostgreSQL record (transactional, batched)"
+                "RabbitMQ, full stack, batched: tower timeout ({timeout} s), Redis flag, Redis lock, {store} record (transactional, batched)"
             ),
             (BrokerKind::RocketMq, _) => format!(
-                "RocketMQ, rocketmq-points stack: delivery limit {ROUTE_DELIVERY_LIMIT} (Redis), tower timeout ({timeout} s), Redis flag (record behind), PostgreSQL record (transactional)"
+                "RocketMQ, rocketmq-points stack: delivery limit {ROUTE_DELIVERY_LIMIT} (Redis), tower timeout ({timeout} s), Redis flag (record behind), {store} record (transactional)"
             ),
         }
     }
@@ -257,11 +259,12 @@ impl Report {
         check(
             self.throughput.lowest() == Some(0),
             format!(
-                "a {WINDOW_SECONDS} s window after the first panic applied nothing while messages arrived"
+                "a {} s window after the first panic applied nothing while messages arrived",
+                WINDOW.as_secs()
             ),
         );
-        for fault in Fault::of(options.broker) {
-            let fired = self.faults.get(fault).copied().unwrap_or(0);
+        for fault in Fault::of(options.broker, options.store) {
+            let fired = self.faults.get(&fault).copied().unwrap_or(0);
             check(fired == 0, format!("no {} took effect", fault.name()));
         }
         for fault in HandlerFault::ALL {

@@ -32,7 +32,8 @@ pub(crate) struct Run {
     redis: ScratchRedis,
     tables: Tables,
     /// Names the consumers' PostgreSQL (`application_name`) and AMQP connections, so the
-    /// faults hit only them.
+    /// faults hit only them (on MySQL/MariaDB, their sessions are those on the run's
+    /// database).
     name: String,
     faults: BTreeMap<Fault, u32>,
     /// From each broker restart to the end of its clients' lockout.
@@ -48,14 +49,14 @@ impl Run {
     /// processes.
     pub(crate) async fn start(options: &Options) -> Run {
         let id = oncely::Token::random();
-        let tables = Tables::create().await;
+        let tables = Tables::create(options.store).await;
         let broker = Broker::start(options.broker).await;
         let redis = ScratchRedis::start();
         let name = format!("oncely-chaos-{id}");
         let url = database_url();
         let separator = if url.contains('?') { '&' } else { '?' };
         let (binary, args, broker_environment) =
-            broker.consumer(tables.schema(), &format!("chaos-{id}"), options.stack, &name);
+            broker.consumer(tables.name(), &format!("chaos-{id}"), options, &name);
         let environment = [
             ("REDIS_URL", redis.url()),
             ("DATABASE_URL", format!("{url}{separator}application_name={name}")),
@@ -107,7 +108,9 @@ impl Run {
                 true
             }
             Fault::FlushRedis => self.flush_redis().await,
-            Fault::TerminatePostgres => self.tables.terminate_connections(&self.name).await,
+            Fault::TerminatePostgres | Fault::KillMysql => {
+                self.tables.end_consumer_sessions(&self.name).await
+            }
             Fault::DropAmqp => amqp::close_connections(&self.name).await,
             Fault::RestartBroker => self.restart_broker().await,
         };
@@ -187,12 +190,9 @@ impl Run {
     /// Everything the report needs; then the consumers stopped and the broker side
     /// finished (queues deleted, or client shut down).
     pub(crate) async fn finish(self, options: &Options, started: Instant, published: SystemTime) -> Report {
-        let ledger = self.tables.ledger().await;
-        let throughput = self.tables.throughput(published, &self.lockouts).await;
-        let handler_faults = self.tables.handler_faults().await;
-        let last_effect = self.tables.last_effect_at().await;
+        let readings = self.tables.read(published, &self.lockouts).await;
         let recovery = self.last_kill.map(|killed| Recovery {
-            after_kill: last_effect.and_then(|at| at.duration_since(killed).ok()),
+            after_kill: (readings.last_effect_at).and_then(|at| at.duration_since(killed).ok()),
             publishing_after_kill: published.duration_since(killed).ok(),
         });
         let Run {
@@ -206,11 +206,11 @@ impl Run {
         let dead = broker.finish().await;
         Report {
             options: options.clone(),
-            ledger,
-            throughput,
+            ledger: readings.ledger,
+            throughput: readings.throughput,
             dead,
             faults,
-            handler_faults,
+            handler_faults: readings.handler_faults,
             crashes,
             recovery,
             wall_time: started.elapsed(),

@@ -1,19 +1,22 @@
-//! The run's schema and what the run reads back from it: the business table against the
-//! ledger, the throughput windows, the handler faults that fired.
+//! The run's schema (PostgreSQL) or database (MySQL/MariaDB) and what the run reads back from
+//! it: the business table against the ledger, the throughput windows, the handler faults
+//! that fired. Each store answers a few plain queries; the windows and counts are worked out
+//! here, once for both.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::Row;
-use deadpool_postgres::tokio_postgres::types::ToSql;
-use integration_tests::chaos_stack::{HandlerFault, TABLES};
+use integration_tests::chaos_stack::{ChaosStore, HandlerFault};
+use integration_tests::mysql::{ScratchDatabase, pool_on};
 use integration_tests::postgres::{ScratchSchema, pool};
+use oncely::mysql::sqlx::{self, MySqlPool};
 
-/// The throughput window, in seconds: longer than the pauses the faults cause by design (Redis
-/// down for a second, a consumer process restarting, a claim waiting out its 3-second
-/// lease), short enough that a stalled consumer shows.
-pub(crate) const WINDOW_SECONDS: i64 = 5;
+/// The throughput window: longer than the pauses the faults cause by design (Redis down for
+/// a second, a consumer process restarting, a claim waiting out its 3-second lease), short
+/// enough that a stalled consumer shows.
+pub(crate) const WINDOW: Duration = Duration::from_secs(5);
 
 /// The business table against the publisher's ledger, per order key.
 #[derive(Clone, Copy, Debug, Default)]
@@ -42,140 +45,248 @@ impl Throughput {
     pub(crate) fn lowest(&self) -> Option<i64> {
         self.windows.iter().copied().min()
     }
+
+    /// Effects applied per window (the write times of first parts, `effects`), in whole
+    /// windows counted back from `published` (when the last message was sent) to
+    /// `first_panic`, every window counted, also the empty ones, except those that overlap
+    /// one of `lockouts`, a broker restart's (no client can reach the broker then). While
+    /// messages arrive, new keys keep arriving, so a healthy consumer applies some in every
+    /// window; after the last one, only the retries of a few keys are left, some waiting out
+    /// a lease, and a quiet window there is no stall.
+    fn of(
+        effects: &[SystemTime],
+        first_panic: Option<SystemTime>,
+        published: SystemTime,
+        lockouts: &[(SystemTime, SystemTime)],
+    ) -> Self {
+        let mut throughput = Throughput::default();
+        let Some(span) = first_panic.and_then(|start| published.duration_since(start).ok()) else {
+            return throughput;
+        };
+        let whole_windows = (span.as_secs_f64() / WINDOW.as_secs_f64()) as u32;
+        for back in (1..=whole_windows).rev() {
+            let opens = published - WINDOW * back;
+            let closes = opens + WINDOW;
+            if (lockouts.iter()).any(|(from, to)| opens < *to && closes > *from) {
+                throughput.locked_out += 1;
+            } else {
+                let applied = effects.iter().filter(|at| (opens..closes).contains(*at)).count();
+                throughput.windows.push(applied as i64);
+            }
+        }
+        throughput
+    }
 }
 
-/// The run's schema with the chaos stack's tables, and a pool of the run's own to it that
-/// the faults leave alone. Dropping it drops the schema.
-pub(crate) struct Tables {
-    schema: ScratchSchema,
-    pool: Pool,
+/// What the run reads back at the end.
+pub(crate) struct Readings {
+    pub(crate) ledger: Ledger,
+    pub(crate) throughput: Throughput,
+    /// The handler faults that took effect, per kind, as the consumers logged them.
+    pub(crate) handler_faults: BTreeMap<HandlerFault, i64>,
+    /// When the last effect was written, if any was.
+    pub(crate) last_effect_at: Option<SystemTime>,
+}
+
+/// The run's schema or database with the chaos stack's tables, and a pool of the run's own
+/// to it that the faults leave alone. Dropping it drops the schema or database.
+pub(crate) enum Tables {
+    /// A PostgreSQL schema.
+    Postgres { schema: ScratchSchema, pool: Pool },
+    /// A MySQL/MariaDB database, read through a pool on `MYSQL_URL`'s default database.
+    Mysql(ScratchDatabase),
 }
 
 impl Tables {
-    /// A fresh schema with [`TABLES`] in it.
-    pub(crate) async fn create() -> Self {
-        let pool = pool(2);
-        let schema = ScratchSchema::new(&pool).await;
-        schema.execute(TABLES).await;
-        Tables { schema, pool }
+    /// A fresh schema or database on `store` with the record table and the chaos stack's
+    /// tables in it.
+    pub(crate) async fn create(store: ChaosStore) -> Self {
+        match store {
+            ChaosStore::Postgres => {
+                let pool = pool(2);
+                let schema = ScratchSchema::new(&pool).await;
+                schema.execute(store.tables()).await;
+                Tables::Postgres { schema, pool }
+            }
+            ChaosStore::Mysql => {
+                let database = ScratchDatabase::new().await;
+                // One connection on the database, closed before the consumers start: the
+                // faults end every session on it.
+                let setup = pool_on(database.name(), 1, None).await;
+                let records = oncely::mysql::Table::new("consumption_record").expect("a valid name");
+                oncely::mysql::migrate(&setup, &records)
+                    .await
+                    .expect("migrate the record table");
+                sqlx::raw_sql(store.tables())
+                    .execute(&setup)
+                    .await
+                    .expect("create the chaos tables");
+                setup.close().await;
+                Tables::Mysql(database)
+            }
+        }
     }
 
-    /// The schema's name.
-    pub(crate) fn schema(&self) -> &str {
-        self.schema.name()
+    /// The schema's or database's name.
+    pub(crate) fn name(&self) -> &str {
+        match self {
+            Tables::Postgres { schema, .. } => schema.name(),
+            Tables::Mysql(database) => database.name(),
+        }
     }
 
-    /// Terminates the connections whose `application_name` is `name`; false if none was
-    /// open.
-    pub(crate) async fn terminate_connections(&self, name: &str) -> bool {
-        let terminated = async {
-            let client = self.pool.get().await.ok()?;
-            let row = client
-                .query_one(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
-                    &[&name],
-                )
-                .await
-                .ok()?;
-            Some(row.get::<_, i64>(0))
+    /// Ends the consumers' database sessions: on PostgreSQL those whose `application_name`
+    /// is `name` (`pg_terminate_backend`), on MySQL/MariaDB those using the run's database
+    /// (`KILL`); false if none was open.
+    pub(crate) async fn end_consumer_sessions(&self, name: &str) -> bool {
+        let ended = match self {
+            Tables::Postgres { pool, .. } => {
+                let sql = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1";
+                let rows = self.postgres(pool, sql, &[&name]).await;
+                rows.first().map_or(0, |row| row.get::<_, i64>(0))
+            }
+            Tables::Mysql(database) => kill_sessions_on(database).await,
         };
-        terminated.await.unwrap_or(0) > 0
+        ended > 0
     }
 
-    /// The rows `sql` returns with `params`, `{schema}` in it replaced by the run's schema.
-    async fn query(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Vec<Row> {
-        let sql = sql.replace("{schema}", self.schema.name());
-        let client = self.pool.get().await.expect("PostgreSQL");
+    /// The business table, per key, as the ledger counts it.
+    pub(crate) async fn ledger(&self) -> Ledger {
+        let numbers: Vec<i64> = match self {
+            Tables::Postgres { pool, .. } => {
+                let rows = self
+                    .postgres(
+                        pool,
+                        "SELECT count(*), coalesce(sum(first), 0)::bigint,
+                                count(*) FILTER (WHERE first > 1 OR second > 1),
+                                count(*) FILTER (WHERE first <> second)
+                         FROM (SELECT count(*) FILTER (WHERE part = 1) AS first,
+                                      count(*) FILTER (WHERE part = 2) AS second
+                               FROM {schema}.stock_moves GROUP BY order_id) per_key",
+                        &[],
+                    )
+                    .await;
+                (0..4).map(|column| rows[0].get(column)).collect()
+            }
+            Tables::Mysql(database) => {
+                let sql = self.named(
+                    "SELECT CAST(count(*) AS SIGNED), CAST(coalesce(sum(first), 0) AS SIGNED),
+                            CAST(coalesce(sum(first > 1 OR second > 1), 0) AS SIGNED),
+                            CAST(coalesce(sum(first <> second), 0) AS SIGNED)
+                     FROM (SELECT sum(part = 1) AS first, sum(part = 2) AS second
+                           FROM {schema}.stock_moves GROUP BY order_id) per_key",
+                );
+                let row: (i64, i64, i64, i64) = sqlx::query_as(&sql)
+                    .fetch_one(database.admin())
+                    .await
+                    .unwrap_or_else(|error| panic!("{sql}: {error}"));
+                vec![row.0, row.1, row.2, row.3]
+            }
+        };
+        Ledger {
+            applied_keys: numbers[0],
+            effects: numbers[1],
+            doubled: numbers[2],
+            partial: numbers[3],
+        }
+    }
+
+    /// The ledger, the throughput windows up to `published` (leaving out `lockouts`), the
+    /// handler faults and the last effect's time.
+    pub(crate) async fn read(
+        &self,
+        published: SystemTime,
+        lockouts: &[(SystemTime, SystemTime)],
+    ) -> Readings {
+        let effects: Vec<SystemTime> = (self.timeline("stock_moves", "created_at", "''", "part = 1").await)
+            .into_iter()
+            .map(|(at, _)| at)
+            .collect();
+        let faults = self.timeline("chaos_faults", "at", "kind", "TRUE").await;
+        let mut handler_faults = BTreeMap::new();
+        for (_, code) in &faults {
+            if let Some(fault) = HandlerFault::from_code(code) {
+                *handler_faults.entry(fault).or_insert(0) += 1;
+            }
+        }
+        let first_panic = (faults.iter())
+            .filter(|(_, code)| code == HandlerFault::Panic.code())
+            .map(|(at, _)| *at)
+            .min();
+        Readings {
+            ledger: self.ledger().await,
+            throughput: Throughput::of(&effects, first_panic, published, lockouts),
+            handler_faults,
+            last_effect_at: effects.iter().max().copied(),
+        }
+    }
+
+    /// The rows of `table` where `filter` holds, as their time column `at` and the text
+    /// expression `label`.
+    async fn timeline(&self, table: &str, at: &str, label: &str, filter: &str) -> Vec<(SystemTime, String)> {
+        match self {
+            Tables::Postgres { pool, .. } => {
+                let sql = format!("SELECT {at}, {label}::text FROM {{schema}}.{table} WHERE {filter}");
+                let rows = self.postgres(pool, &sql, &[]).await;
+                rows.iter().map(|row| (row.get(0), row.get(1))).collect()
+            }
+            Tables::Mysql(database) => {
+                // Microseconds since the epoch: sqlx reads no `DATETIME` without its time
+                // crates, and the session's time zone (UTC) is the one the rows were
+                // written in.
+                let sql = self.named(&format!(
+                    "SELECT CAST(UNIX_TIMESTAMP({at}) * 1000000 AS SIGNED), CAST({label} AS CHAR)
+                     FROM {{schema}}.{table} WHERE {filter}"
+                ));
+                let rows: Vec<(i64, String)> = sqlx::query_as(&sql)
+                    .fetch_all(database.admin())
+                    .await
+                    .unwrap_or_else(|error| panic!("{sql}: {error}"));
+                let at = |micros: i64| SystemTime::UNIX_EPOCH + Duration::from_micros(micros as u64);
+                rows.into_iter()
+                    .map(|(micros, label)| (at(micros), label))
+                    .collect()
+            }
+        }
+    }
+
+    /// `sql` with `{schema}` replaced by the run's schema or database.
+    fn named(&self, sql: &str) -> String {
+        sql.replace("{schema}", self.name())
+    }
+
+    /// The rows `sql` returns on PostgreSQL with `params`, `{schema}` in it replaced.
+    async fn postgres(
+        &self,
+        pool: &Pool,
+        sql: &str,
+        params: &[&(dyn deadpool_postgres::tokio_postgres::types::ToSql + Sync)],
+    ) -> Vec<Row> {
+        let sql = self.named(sql);
+        let client = pool.get().await.expect("PostgreSQL");
         client
             .query(&sql, params)
             .await
             .unwrap_or_else(|error| panic!("{sql}: {error}"))
     }
+}
 
-    /// The business table, per key, as the ledger counts it.
-    pub(crate) async fn ledger(&self) -> Ledger {
-        let rows = self
-            .query(
-                "SELECT count(*), coalesce(sum(first), 0)::bigint,
-                        count(*) FILTER (WHERE first > 1 OR second > 1),
-                        count(*) FILTER (WHERE first <> second)
-                 FROM (SELECT count(*) FILTER (WHERE part = 1) AS first,
-                              count(*) FILTER (WHERE part = 2) AS second
-                       FROM {schema}.stock_moves GROUP BY order_id) per_key",
-                &[],
-            )
-            .await;
-        Ledger {
-            applied_keys: rows[0].get(0),
-            effects: rows[0].get(1),
-            doubled: rows[0].get(2),
-            partial: rows[0].get(3),
+/// `KILL`s every session using `database` (the run's own use `MYSQL_URL`'s default
+/// database) and says how many; 0 if the server did not answer.
+async fn kill_sessions_on(database: &ScratchDatabase) -> i64 {
+    let admin: &MySqlPool = database.admin();
+    let ids: Vec<i64> =
+        sqlx::query_scalar("SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST WHERE DB = ?")
+            .bind(database.name())
+            .fetch_all(admin)
+            .await
+            .unwrap_or_default();
+    let mut killed = 0;
+    for id in ids {
+        // `KILL` takes no placeholder; the id is a number the server gave.
+        if sqlx::raw_sql(&format!("KILL {id}")).execute(admin).await.is_ok() {
+            killed += 1;
         }
     }
-
-    /// When the last effect row was written, if any was.
-    pub(crate) async fn last_effect_at(&self) -> Option<SystemTime> {
-        let rows = self
-            .query("SELECT max(created_at) FROM {schema}.stock_moves", &[])
-            .await;
-        rows[0].get(0)
-    }
-
-    /// Effects applied per window, in whole windows counted back from `published` (when the
-    /// last message was sent) to the first panic that took effect, every window counted,
-    /// also the empty ones, except those that overlap one of `lockouts`, a broker restart's
-    /// (no client can reach the broker then). While messages arrive, new keys keep arriving,
-    /// so a healthy consumer applies some in every window; after the last one, only the
-    /// retries of a few keys are left, some waiting out a lease, and a quiet window there is
-    /// no stall.
-    pub(crate) async fn throughput(
-        &self,
-        published: SystemTime,
-        lockouts: &[(SystemTime, SystemTime)],
-    ) -> Throughput {
-        let rows = self
-            .query(
-                "WITH bounds AS (
-                     SELECT (SELECT min(at) FROM {schema}.chaos_faults WHERE kind = $1) AS start,
-                            $3::timestamptz AS stop,
-                            make_interval(secs => $2) AS width
-                 ), windows AS (
-                     SELECT stop - (n + 1) * width AS opens, width
-                     FROM bounds,
-                          generate_series(0, floor(extract(epoch FROM stop - start) / $2)::int - 1) AS n
-                     WHERE stop > start
-                 )
-                 SELECT w.opens, count(m.id) AS applied
-                 FROM windows w LEFT JOIN {schema}.stock_moves m
-                   ON m.part = 1 AND m.created_at >= w.opens AND m.created_at < w.opens + w.width
-                 GROUP BY w.opens ORDER BY w.opens",
-                &[&HandlerFault::Panic.code(), &(WINDOW_SECONDS as f64), &published],
-            )
-            .await;
-        let width = Duration::from_secs(WINDOW_SECONDS as u64);
-        let locked_out =
-            |opens: SystemTime| (lockouts.iter()).any(|(from, to)| opens < *to && opens + width > *from);
-        let mut throughput = Throughput::default();
-        for row in &rows {
-            if locked_out(row.get(0)) {
-                throughput.locked_out += 1;
-            } else {
-                throughput.windows.push(row.get(1));
-            }
-        }
-        throughput
-    }
-
-    /// The handler faults that took effect, per kind, as the consumers logged them.
-    pub(crate) async fn handler_faults(&self) -> BTreeMap<HandlerFault, i64> {
-        let rows = self
-            .query(
-                "SELECT kind, count(*) FROM {schema}.chaos_faults GROUP BY kind",
-                &[],
-            )
-            .await;
-        rows.iter()
-            .filter_map(|row| Some((HandlerFault::from_code(row.get(0))?, row.get(1))))
-            .collect()
-    }
+    killed
 }
