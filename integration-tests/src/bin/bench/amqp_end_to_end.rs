@@ -1,8 +1,9 @@
 //! `amqp`: end-to-end messages per second through the RabbitMQ runner with no tiers, with
 //! the Redis flag, and with the full stack (the Redis flag with the record behind it, the
-//! Redis lock and the PostgreSQL record) — the record one transaction per delivery, batched
-//! with per-delivery handlers, and batched with a batch handler — next to a raw lapin
-//! consumer with the same prefetch that acks each message from its own task.
+//! Redis lock and the record, on PostgreSQL and on MySQL/MariaDB) — the record one
+//! transaction per delivery, batched with per-delivery handlers, and batched with a batch
+//! handler — next to a raw lapin consumer with the same prefetch that acks each message from
+//! its own task.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -13,13 +14,17 @@ use deadpool_postgres::Pool;
 use futures_lite::StreamExt;
 use integration_tests::RouteStack;
 use integration_tests::amqp::{connect, ready_messages, scratch_topology};
+use integration_tests::mysql::{self, StockDatabase};
 use integration_tests::postgres::{ScratchSchema, insert_stock_move, pool, schema_pool, stock_moves};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{redis_connection, unique};
 use lapin::Channel;
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::lock::{LockLayer, RedisLockStore};
-use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer, TransactionSafe};
+use oncely::mysql::sqlx::MySqlPool;
+use oncely::record::{
+    BatchAnswer, MysqlTransaction, MysqlTransactionalLayer, PgTransactionalLayer, TransactionSafe,
+};
 use oncely::tier::BoxFuture;
 use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, Token, handler_fn};
 use oncely_amqp::{Runner, Topology};
@@ -54,17 +59,26 @@ enum Consumer {
     /// The same with the record batched and a batch handler writing the rows of a batch at
     /// once.
     FullStackBatchHandler,
+    /// The full stack with the record on MySQL/MariaDB, one transaction per delivery.
+    MysqlFullStack,
+    /// The same with the record batched.
+    MysqlFullStackBatched,
+    /// The same with the record batched and a batch handler.
+    MysqlFullStackBatchHandler,
 }
 
 impl Consumer {
     /// Every consumer, the baseline first: the order they take turns in.
-    const ALL: [Consumer; 6] = [
+    const ALL: [Consumer; 9] = [
         Consumer::RawLapin,
         Consumer::Runner,
         Consumer::RunnerFlag,
         Consumer::FullStack,
         Consumer::FullStackBatched,
         Consumer::FullStackBatchHandler,
+        Consumer::MysqlFullStack,
+        Consumer::MysqlFullStackBatched,
+        Consumer::MysqlFullStackBatchHandler,
     ];
 
     fn name(self) -> &'static str {
@@ -75,6 +89,11 @@ impl Consumer {
             Consumer::FullStack => "runner, full stack (flag + lock + record per delivery)",
             Consumer::FullStackBatched => "runner, full stack, batched record",
             Consumer::FullStackBatchHandler => "runner, full stack, batched record + batch handler",
+            Consumer::MysqlFullStack => "runner, full stack, MariaDB record per delivery",
+            Consumer::MysqlFullStackBatched => "runner, full stack, MariaDB batched record",
+            Consumer::MysqlFullStackBatchHandler => {
+                "runner, full stack, MariaDB batched record + batch handler"
+            }
         }
     }
 
@@ -108,7 +127,26 @@ impl Consumer {
             }
             Consumer::FullStackBatchHandler => {
                 let records = services.records().batched();
-                let route = services.full_stack(records.batch_handler(counted_stock_moves(handled.clone())));
+                let batch_handler = counted(handled.clone(), stock_moves);
+                let route = services.full_stack(records.batch_handler(batch_handler));
+                runner_consumer(&services.channel, &topology, route.await, handled).await
+            }
+            Consumer::MysqlFullStack => {
+                let records = services.mysql_records();
+                let route =
+                    services.full_stack(records.layer(handler(handled.clone(), Effect::MysqlStockMove)));
+                runner_consumer(&services.channel, &topology, route.await, handled).await
+            }
+            Consumer::MysqlFullStackBatched => {
+                let records = services.mysql_records().batched();
+                let route =
+                    services.full_stack(records.layer(handler(handled.clone(), Effect::MysqlStockMove)));
+                runner_consumer(&services.channel, &topology, route.await, handled).await
+            }
+            Consumer::MysqlFullStackBatchHandler => {
+                let records = services.mysql_records().batched();
+                let batch_handler = counted(handled.clone(), mysql::stock_moves);
+                let route = services.full_stack(records.batch_handler(batch_handler));
                 runner_consumer(&services.channel, &topology, route.await, handled).await
             }
         };
@@ -120,8 +158,8 @@ impl Consumer {
     }
 }
 
-/// What the measurements share: a channel to RabbitMQ, a Redis of the bench's own, and a
-/// schema of its own with the handler's table.
+/// What the measurements share: a channel to RabbitMQ, a Redis of the bench's own, a
+/// PostgreSQL schema and a MySQL/MariaDB database of its own with the handler's table.
 struct Services {
     /// Held for the channel's sake.
     _connection: lapin::Connection,
@@ -130,6 +168,8 @@ struct Services {
     schema: ScratchSchema,
     /// Connections that search the schema first.
     schema_pool: Pool,
+    /// Connections to the MySQL/MariaDB database.
+    mysql_pool: MySqlPool,
 }
 
 impl Services {
@@ -148,6 +188,7 @@ impl Services {
             redis,
             schema,
             schema_pool,
+            mysql_pool: StockDatabase::new().await.pool(16).await,
         }
     }
 
@@ -161,6 +202,11 @@ impl Services {
     /// The transactional record on the schema's pool.
     fn records(&self) -> PgTransactionalLayer {
         PgTransactionalLayer::new(self.schema_pool.clone(), self.schema.records())
+    }
+
+    /// The transactional record on the MySQL/MariaDB database.
+    fn mysql_records(&self) -> MysqlTransactionalLayer {
+        MysqlTransactionalLayer::new(self.mysql_pool.clone(), StockDatabase::records())
     }
 
     /// The full stack in front of `records` (the record tier with its handler): the Redis
@@ -243,8 +289,10 @@ fn key() -> KeyExtractor {
 enum Effect {
     /// Nothing: the stack's cost alone.
     None,
-    /// A stock move written in the record's transaction.
+    /// A stock move written in the PostgreSQL record's transaction.
     StockMove,
+    /// A stock move written in the MySQL/MariaDB record's transaction.
+    MysqlStockMove,
 }
 
 /// The bench's handler: `effect`, then the delivery counted in `handled`, which tells the
@@ -260,8 +308,14 @@ fn handler(
     handler_fn(move |envelope: Envelope| {
         let handled = handled.clone();
         async move {
-            if effect == Effect::StockMove {
-                insert_stock_move(&envelope).await?;
+            match effect {
+                Effect::None => {}
+                Effect::StockMove => insert_stock_move(&envelope).await?,
+                Effect::MysqlStockMove => {
+                    let tx = envelope.extensions().get::<MysqlTransaction>().cloned();
+                    let tx = tx.expect("the MySQL transactional record in front");
+                    mysql::stock_move(tx, envelope.key().clone()).await?;
+                }
             }
             handled.fetch_add(1, Ordering::Relaxed);
             Ok::<(), HandlerError>(())
@@ -269,13 +323,18 @@ fn handler(
     })
 }
 
-/// The batch handler of the bench: one `INSERT` for the stock moves of a batch, then the
-/// deliveries counted in `handled`.
-fn counted_stock_moves(
+/// A batch handler of the bench: `stock_moves` (one `INSERT` for the stock moves of a batch,
+/// in the transaction `T`), then the deliveries counted in `handled`.
+fn counted<T, F, Fut>(
     handled: Arc<AtomicU64>,
-) -> impl Fn(PgTransaction, Vec<Envelope>) -> BoxFuture<Result<BatchAnswer, HandlerError>> + Send + Sync + 'static
+    stock_moves: F,
+) -> impl Fn(T, Vec<Envelope>) -> BoxFuture<Result<BatchAnswer, HandlerError>> + Send + Sync + 'static
+where
+    T: Send + 'static,
+    F: Fn(T, Vec<Envelope>) -> Fut + Copy + Send + Sync + 'static,
+    Fut: Future<Output = Result<BatchAnswer, HandlerError>> + Send + 'static,
 {
-    move |tx: PgTransaction, batch: Vec<Envelope>| {
+    move |tx: T, batch: Vec<Envelope>| {
         let handled = handled.clone();
         Box::pin(async move {
             let count = batch.len() as u64;

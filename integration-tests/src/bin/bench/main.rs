@@ -16,7 +16,8 @@
 //!   delivery next to batched;
 //! - `amqp` ([`amqp_end_to_end`]): end-to-end messages per second through the RabbitMQ
 //!   runner with no tiers, with the Redis flag, and with the full stack (the record per
-//!   delivery, batched, batched with a batch handler), next to a raw lapin consumer;
+//!   delivery, batched, batched with a batch handler; on PostgreSQL, then on MariaDB), next
+//!   to a raw lapin consumer;
 //! - `rocketmq` ([`rocketmq_end_to_end`]): end-to-end messages per second through RocketMQ's
 //!   concurrent listener with the full stack, the record per message and batched, next to a
 //!   raw listener;
@@ -64,7 +65,8 @@ enum Benchmark {
     Postgres,
     /// MariaDB/MySQL record claims against raw inserts, and the transactional record.
     Mysql,
-    /// RabbitMQ end to end, the runner with tiers against a raw lapin consumer.
+    /// RabbitMQ end to end, the runner with tiers (the record on PostgreSQL and on MariaDB)
+    /// against a raw lapin consumer.
     Amqp,
     /// RocketMQ end to end, the concurrent listener with the full stack against a raw one.
     Rocketmq,
