@@ -284,10 +284,13 @@ pub(crate) async fn claim_new_keys(
 
 /// Claims `requests` with `status` in autocommit, for the coalesced three-step store: one
 /// read of the rows the keys already have, then one multi-row `INSERT` of the keys that had
-/// none — two round trips for the whole batch. A key with a row is answered as [`claim`]
-/// answers it (a takeover is one `UPDATE` of its own). Should another claim insert one of
-/// the new keys between the read and the insert, the insert fails whole (a statement in
-/// autocommit is atomic), and each new key is claimed on its own.
+/// none — two round trips for the whole batch, and nothing else runs after the `INSERT`, so
+/// a new row's lease starts when its answer leaves. A key whose row refuses the claim is
+/// answered from the read. `None` for what the caller claims on its own ([`claim`]): a key
+/// whose row may be taken over (a takeover's lease must not run down while a batch's
+/// `INSERT` waits), and every new key when another claim inserted one of them between the
+/// read and the `INSERT`, which then fails whole (a statement in autocommit is atomic) and
+/// claims none. An error claims none either.
 ///
 /// The keys must be distinct and each checked with [`check_key_len`]. Sent as text with the
 /// values as literals, as [`claim_new_keys`] does, so no statement is prepared per batch
@@ -298,7 +301,7 @@ pub(crate) async fn claim_many(
     statements: &Statements,
     requests: &[ClaimRequest],
     status: RecordStatus,
-) -> Result<Vec<Begin>, StoreError> {
+) -> Result<Vec<Option<Begin>>, StoreError> {
     let mut sql = statements.inspect_many_head.clone();
     for (i, request) in requests.iter().enumerate() {
         let separator = if i == 0 { "" } else { ", " };
@@ -309,54 +312,25 @@ pub(crate) async fn claim_many(
     for row in connection.fetch_all(sqlx::raw_sql(&sql)).await? {
         found.insert(row.try_get::<Vec<u8>, _>(0)?, found_record(&row, 1)?);
     }
-    let mut answers = Vec::with_capacity(requests.len());
-    let mut new = Vec::new();
-    for request in requests {
-        let answer = match found.get(request.key.as_str().as_bytes()) {
-            None => {
-                new.push(request);
-                Begin::Started { attempt: 1 }
-            }
-            Some(row) => match refused_claim(row, request.fingerprint, request.fencing_token) {
-                Some(refused) => refused,
-                None => take_over(connection, statements, request, status).await?,
-            },
+    let is_new = |request: &ClaimRequest| !found.contains_key(request.key.as_str().as_bytes());
+    let mut new: Vec<&ClaimRequest> = requests.iter().filter(|request| is_new(request)).collect();
+    let mut inserted = true;
+    if !new.is_empty() {
+        new.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+        let mut sql = statements.insert_rows_head.clone();
+        push_rows(&mut sql, new.iter().copied(), status);
+        inserted = match connection.execute(sqlx::raw_sql(&sql)).await {
+            Ok(_) => true,
+            Err(sqlx::Error::Database(error)) if error.is_unique_violation() => false,
+            Err(error) if lost_to_another_transaction(&error) => false,
+            Err(error) => return Err(error.into()),
         };
-        answers.push(answer);
     }
-    if new.is_empty() {
-        return Ok(answers);
-    }
-    new.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
-    let mut sql = statements.insert_rows_head.clone();
-    push_rows(&mut sql, new.iter().copied(), status);
-    match connection.execute(sqlx::raw_sql(&sql)).await {
-        Ok(_) => Ok(answers),
-        Err(sqlx::Error::Database(error)) if error.is_unique_violation() => {
-            claim_each_new(connection, statements, requests, &found, answers, status).await
-        }
-        Err(error) if lost_to_another_transaction(&error) => {
-            claim_each_new(connection, statements, requests, &found, answers, status).await
-        }
-        Err(error) => Err(error.into()),
-    }
-}
-
-/// [`claim_many`]'s answers with each key that had no row at the read claimed on its own.
-async fn claim_each_new(
-    connection: &mut MySqlConnection,
-    statements: &Statements,
-    requests: &[ClaimRequest],
-    found: &HashMap<Vec<u8>, FoundRecord>,
-    mut answers: Vec<Begin>,
-    status: RecordStatus,
-) -> Result<Vec<Begin>, StoreError> {
-    for (request, answer) in requests.iter().zip(&mut answers) {
-        if !found.contains_key(request.key.as_str().as_bytes()) {
-            *answer = claim(connection, statements, request, status).await?;
-        }
-    }
-    Ok(answers)
+    let answer = |request: &ClaimRequest| match found.get(request.key.as_str().as_bytes()) {
+        None => inserted.then_some(Begin::Started { attempt: 1 }),
+        Some(row) => refused_claim(row, request.fingerprint, request.fencing_token),
+    };
+    Ok(requests.iter().map(answer).collect())
 }
 
 /// Appends the record rows of `requests` with `status` to `sql`, as literals: keys in hex,

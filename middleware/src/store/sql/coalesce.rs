@@ -1,6 +1,7 @@
 //! Claim coalescing for the three-step stores: the claims of concurrent deliveries share
 //! round trips. How claims gather into batches is the same on every SQL store; each store
-//! says how it claims many distinct keys at once ([`ClaimMany`]).
+//! says how it claims many distinct keys at once ([`ClaimMany`]), and may leave a key to its
+//! caller to claim on its own.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,14 +14,19 @@ use crate::store::sql::ClaimRequest;
 
 /// A store's claim of many distinct keys as `PROCESSING`, in few round trips.
 pub(crate) trait ClaimMany: Send + Sync + 'static {
-    /// Claims `requests`, whose keys are distinct, and answers each in their order.
+    /// Claims `requests`, whose keys are distinct, and answers each in their order: `None`
+    /// for a key the caller must claim on its own (the batch did not claim it). An error
+    /// means no key was claimed.
     fn claim_many(
         &self,
         requests: &[ClaimRequest],
-    ) -> impl Future<Output = Result<Vec<Begin>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Vec<Option<Begin>>, StoreError>> + Send;
 }
 
-type Waiter = (ClaimRequest, oneshot::Sender<Result<Begin, StoreError>>);
+/// A claim's answer: `None` when the caller claims the key on its own.
+type Answer = Result<Option<Begin>, StoreError>;
+
+type Waiter = (ClaimRequest, oneshot::Sender<Answer>);
 
 /// The handle to the batching task; clones share it.
 #[derive(Clone, Debug)]
@@ -39,8 +45,9 @@ impl Coalescer {
         Coalescer { queue }
     }
 
-    /// Claims `request`'s key in the next batch.
-    pub(crate) async fn claim(&self, request: ClaimRequest) -> Result<Begin, StoreError> {
+    /// Claims `request`'s key in the next batch; `None` when the caller must claim it on its
+    /// own.
+    pub(crate) async fn claim(&self, request: ClaimRequest) -> Answer {
         let (reply, answer) = oneshot::channel();
         let stopped = || StoreError::new("the claim coalescer stopped");
         self.queue.send((request, reply)).await.map_err(|_| stopped())?;

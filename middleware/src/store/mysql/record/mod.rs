@@ -64,12 +64,16 @@ impl MysqlRecordStore {
     ///
     /// Starts a background task on the current Tokio runtime, which ends when the last clone
     /// of the store is dropped.
+    ///
+    /// `max_rows` is capped at 1,000: a batch is two statements carrying its keys as
+    /// literals, about 4.3 KB per row for keys of the longest kind, and 1,000 rows stay well
+    /// under MySQL's and MariaDB's smallest default `max_allowed_packet` (16 MiB).
     pub fn with_coalescing(mut self, max_rows: usize, max_batches: usize) -> Self {
         let claims = MysqlClaims {
             pool: self.pool.clone(),
             statements: self.statements.clone(),
         };
-        self.coalescer = Some(Coalescer::spawn(claims, max_rows.max(1), max_batches));
+        self.coalescer = Some(Coalescer::spawn(claims, max_rows.clamp(1, 1000), max_batches));
         self
     }
 
@@ -97,15 +101,15 @@ impl MysqlRecordStore {
     }
 }
 
-/// The coalesced claims of a [`MysqlRecordStore`]: a batch's keys in two round trips, on a
-/// pooled connection of its own.
+/// The coalesced claims of a [`MysqlRecordStore`]: a batch's new keys in two round trips, on
+/// a pooled connection of its own; a takeover is left to its caller.
 struct MysqlClaims {
     pool: MySqlPool,
     statements: Arc<Statements>,
 }
 
 impl ClaimMany for MysqlClaims {
-    async fn claim_many(&self, requests: &[ClaimRequest]) -> Result<Vec<Begin>, StoreError> {
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Result<Vec<Option<Begin>>, StoreError> {
         let mut connection = self.pool.acquire().await?;
         claim_many(
             &mut connection,
@@ -143,7 +147,10 @@ impl RecordStore for MysqlRecordStore {
         if let Some(coalescer) = &self.coalescer {
             // Checked here: one key the table cannot hold must not fail its whole batch.
             check_key_len(key)?;
-            return coalescer.claim(request).await;
+            if let Some(answer) = coalescer.claim(request.clone()).await? {
+                return Ok(answer);
+            }
+            // A takeover, or a key another consumer inserted during the batch: alone.
         }
         let mut connection = self.pool.acquire().await?;
         claim(

@@ -111,11 +111,13 @@ struct PgClaims {
     statements: Arc<Statements>,
 }
 
+/// Answers every key: the statement claims what it can and reads why it could not claim the
+/// rest.
 impl ClaimMany for PgClaims {
-    async fn claim_many(&self, requests: &[ClaimRequest]) -> Result<Vec<Begin>, StoreError> {
+    async fn claim_many(&self, requests: &[ClaimRequest]) -> Result<Vec<Option<Begin>>, StoreError> {
         Checkout::run(&self.pool, async |client| {
             let claimed = claim_batch(client, &self.statements, requests, RecordStatus::Processing).await?;
-            Ok(claimed.answers)
+            Ok(claimed.answers.into_iter().map(Some).collect())
         })
         .await
     }
@@ -145,7 +147,8 @@ impl RecordStore for PgRecordStore {
             lease: Some(lease),
         };
         if let Some(coalescer) = &self.coalescer {
-            return coalescer.claim(request).await;
+            // Every key is answered in the batch.
+            return Ok(coalescer.claim(request).await?.unwrap_or(Begin::InProgress));
         }
         Checkout::run(&self.pool, async |client| {
             let claimed = claim_batch(client, &self.statements, &[request], RecordStatus::Processing).await?;
