@@ -27,14 +27,20 @@ use crate::envelope::Envelope;
 use crate::outcome::Outcome;
 use crate::tier::Tier;
 
+#[cfg(feature = "metrics")]
+#[doc(hidden)]
+pub use recorded::Probe;
+#[cfg(feature = "metrics")]
+pub(crate) use recorded::count_outcome;
 #[cfg(all(feature = "metrics", feature = "prefilter"))]
 pub(crate) use recorded::count_verdict;
-#[cfg(feature = "metrics")]
-pub(crate) use recorded::{Probe, count_outcome};
+#[cfg(not(feature = "metrics"))]
+#[doc(hidden)]
+pub use silent::Probe;
+#[cfg(not(feature = "metrics"))]
+pub(crate) use silent::count_outcome;
 #[cfg(all(not(feature = "metrics"), feature = "prefilter"))]
 pub(crate) use silent::count_verdict;
-#[cfg(not(feature = "metrics"))]
-pub(crate) use silent::{Probe, count_outcome};
 
 #[cfg(feature = "metrics")]
 mod recorded {
@@ -47,7 +53,9 @@ mod recorded {
     use crate::outcome::RetryReason;
 
     /// One envelope's way through one tier, as metrics.
-    pub(crate) struct Probe {
+    /// What one envelope did in one tier, recorded as it goes: public only because
+    /// [`TierRun`](crate::tier::TierRun) hands it on; nothing outside oncely can use it.
+    pub struct Probe {
         tier: Tier,
         labels: Vec<Label>,
         started: Instant,
@@ -123,7 +131,9 @@ mod silent {
     use super::{Envelope, Outcome, Tier};
 
     /// Without the `metrics` feature, a probe records nothing.
-    pub(crate) struct Probe;
+    /// What one envelope did in one tier: nothing is recorded without the `metrics`
+    /// feature. Public only because [`TierRun`](crate::tier::TierRun) hands it on.
+    pub struct Probe;
 
     impl Probe {
         pub(crate) fn enter(_: &Envelope, _: Tier) -> Self {

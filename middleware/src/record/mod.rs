@@ -51,7 +51,7 @@ pub use crate::store::postgres::record::{
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use crate::store::sql::batched::{
-    BatchAnswer, BatchHandler, BatchHandlerService, BatchedLayer, BatchedService,
+    BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService,
 };
 pub use decision::RecordTicket;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

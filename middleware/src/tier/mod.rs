@@ -16,6 +16,11 @@
 //!
 //! A tier of your own is a type implementing [`TierDecision`] and a `tower_layer::Layer`
 //! whose service is `TierService::new(inner, decision)`.
+//!
+//! [`TierService`] runs anything implementing [`TierRun`]: every [`TierDecision`], and the
+//! batched transactional record (`record::BatchedService`), whose deliveries join a shared
+//! transaction instead of running `enter` and `exit` one by one — through the same
+//! readiness, boxing and metrics as every other tier.
 
 mod decision;
 mod service;
@@ -24,9 +29,9 @@ use std::fmt;
 
 pub use decision::{Enter, FailurePolicy, TierDecision};
 pub(crate) use decision::{in_flight, payload_mismatch};
-pub use service::{BoxFuture, TierService};
+pub use service::{BoxFuture, TierRun, TierService};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) use service::{behind, decide, store_unavailable, take_readied};
+pub(crate) use service::{behind, decide, store_unavailable};
 
 /// A tier of the stack, named in outcomes, errors, metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

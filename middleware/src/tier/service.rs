@@ -17,6 +17,37 @@ use crate::telemetry::Probe;
 /// the store round trips a tier makes.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
+/// How a [`TierService`] runs one envelope through its tier and the tiers behind.
+/// Implemented for every [`TierDecision`] (its `enter`, the tiers behind, its `exit`, under
+/// its failure policy) and by oncely's batched transactional record, whose deliveries take
+/// their part in a shared transaction. A tier of your own implements [`TierDecision`].
+pub trait TierRun: Send + Sync + 'static {
+    /// The tier, for outcomes, metrics and logs.
+    const TIER: Tier;
+
+    /// Runs `envelope` through this tier in front of `inner`, the tiers behind, telling
+    /// `probe` what it did.
+    #[doc(hidden)]
+    fn run<S>(&self, inner: S, envelope: Envelope, probe: &Probe) -> impl Future<Output = Outcome> + Send
+    where
+        S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>;
+}
+
+impl<D: TierDecision> TierRun for D {
+    const TIER: Tier = D::TIER;
+
+    async fn run<S>(&self, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
+    where
+        S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        decide(self, inner, envelope, probe).await
+    }
+}
+
 /// The service of every tier: runs the decision `D` around the tiers behind (`S`); see the
 /// [module docs](super) for what it does the same way for every tier.
 ///
@@ -61,7 +92,7 @@ where
     S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
     S::Future: Send,
     S::Error: Into<BoxError>,
-    D: TierDecision,
+    D: TierRun,
 {
     type Response = Outcome;
     type Error = S::Error;
@@ -76,7 +107,7 @@ where
         let decision = self.decision.clone();
         Box::pin(async move {
             let probe = Probe::enter(&envelope, D::TIER);
-            let outcome = decide(&*decision, inner, envelope, &probe).await;
+            let outcome = decision.run(inner, envelope, &probe).await;
             probe.answered(&outcome);
             Ok(outcome)
         })
@@ -86,7 +117,7 @@ where
 /// The service to call: `poll_ready` reserved capacity in `inner` (a concurrency limit, a
 /// buffer slot), which a clone may not have, so the readied one goes with the call and a
 /// clone takes its place, as tower recommends.
-pub(crate) fn take_readied<S: Clone>(inner: &mut S) -> S {
+fn take_readied<S: Clone>(inner: &mut S) -> S {
     let clone = inner.clone();
     std::mem::replace(inner, clone)
 }

@@ -110,6 +110,15 @@ pub(super) struct Lanes<R: TransactionalRecord, W: Writer<R::Handle>> {
     queue: OnceLock<mpsc::Sender<Joiner<W::Work>>>,
 }
 
+/// Shows the record the batches are made of, as every tier shows its decision.
+impl<R: TransactionalRecord, W: Writer<R::Handle>> std::fmt::Debug for Lanes<R, W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lanes")
+            .field("record", &self.record)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<R: TransactionalRecord, W: Writer<R::Handle> + Clone> Lanes<R, W> {
     pub(super) fn new(record: R, writer: W, limits: Limits) -> Self {
         Lanes {

@@ -19,14 +19,14 @@ use tower_layer::Layer;
 
 use self::lane::{Lanes, Limits};
 pub use self::set::{BatchAnswer, BatchHandler, BatchHandlerService};
-pub use self::turns::BatchedService;
 use self::turns::Turns;
+pub use self::turns::{BatchLanes, BatchedService};
 use crate::error::StoreError;
 use crate::handler::{Argument, Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::Outcome;
 use crate::record::{Begin, TransactionSafe};
 use crate::store::sql::ClaimRequest;
-use crate::tier::TierDecision;
+use crate::tier::{TierDecision, TierService};
 
 /// A SQL store's transactional record tier, as the batched mode's lanes run it: opening a
 /// transaction with the first claims, claiming more in it, the handle its handlers take,
@@ -286,6 +286,9 @@ impl<S: TransactionSafe, R: TransactionalRecord> Layer<S> for BatchedLayer<R> {
     type Service = BatchedService<S, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        BatchedService::new(inner, Lanes::new(self.record.clone(), Turns, self.limits()))
+        TierService::new(
+            inner,
+            BatchLanes::new(Lanes::new(self.record.clone(), Turns, self.limits())),
+        )
     }
 }

@@ -2,8 +2,6 @@
 //! lane's task, inside the batch's transaction.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use futures_util::FutureExt;
 use tower_service::Service;
@@ -16,7 +14,7 @@ use crate::error::BoxError;
 use crate::outcome::{Outcome, RetryReason};
 use crate::route::panicked;
 use crate::telemetry::Probe;
-use crate::tier::{BoxFuture, Tier, behind, decide, take_readied};
+use crate::tier::{BoxFuture, Tier, TierRun, TierService, behind, decide};
 
 /// One delivery's handler, ready to run in the batch's transaction, given its handle `H`.
 pub(super) type HandlerRun<H> = Box<dyn FnOnce(H) -> BoxFuture<Outcome> + Send>;
@@ -87,61 +85,36 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
 }
 
 /// The batched transactional record `R` with the per-delivery handlers behind it (`S`);
-/// built by [`BatchedLayer`](super::BatchedLayer), which says how it batches.
-pub struct BatchedService<S, R: TransactionalRecord> {
-    inner: S,
-    lanes: Arc<Lanes<R, Turns>>,
-}
+/// built by [`BatchedLayer`](super::BatchedLayer), which says how it batches. A
+/// [`TierService`] like every tier's: each delivery runs as its part in a batch.
+pub type BatchedService<S, R> = TierService<S, BatchLanes<R>>;
 
-impl<S, R: TransactionalRecord> BatchedService<S, R> {
-    pub(super) fn new(inner: S, lanes: Lanes<R, Turns>) -> Self {
-        BatchedService {
-            inner,
-            lanes: Arc::new(lanes),
-        }
+/// The lanes of one [`BatchedService`], shared by its clones: what its [`TierService`] runs
+/// for each delivery. Built only by [`BatchedLayer`](super::BatchedLayer).
+pub struct BatchLanes<R: TransactionalRecord>(Lanes<R, Turns>);
+
+impl<R: TransactionalRecord> BatchLanes<R> {
+    pub(super) fn new(lanes: Lanes<R, Turns>) -> Self {
+        BatchLanes(lanes)
     }
 }
 
-impl<S: Clone, R: TransactionalRecord> Clone for BatchedService<S, R> {
-    fn clone(&self) -> Self {
-        BatchedService {
-            inner: self.inner.clone(),
-            lanes: self.lanes.clone(),
-        }
-    }
-}
-
-impl<S, R: TransactionalRecord> std::fmt::Debug for BatchedService<S, R> {
+impl<R: TransactionalRecord> std::fmt::Debug for BatchLanes<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BatchedService")
-            .field("record", self.lanes.record())
-            .finish_non_exhaustive()
+        self.0.fmt(f)
     }
 }
 
-impl<S, R: TransactionalRecord> Service<Envelope> for BatchedService<S, R>
-where
-    S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Error: Into<BoxError>,
-{
-    type Response = Outcome;
-    type Error = S::Error;
-    type Future = BoxFuture<Result<Outcome, S::Error>>;
+impl<R: TransactionalRecord> TierRun for BatchLanes<R> {
+    const TIER: Tier = Tier::Record;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, envelope: Envelope) -> Self::Future {
-        let inner = take_readied(&mut self.inner);
-        let lanes = self.lanes.clone();
-        Box::pin(async move {
-            let probe = Probe::enter(&envelope, Tier::Record);
-            let outcome = take_part(&lanes, inner, envelope, &probe).await;
-            probe.answered(&outcome);
-            Ok(outcome)
-        })
+    async fn run<S>(&self, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
+    where
+        S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        take_part(&self.0, inner, envelope, probe).await
     }
 }
 
