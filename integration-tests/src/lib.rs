@@ -56,6 +56,24 @@ impl<E, S> RouteStack<E> for S where
 {
 }
 
+/// Runs the future `clean_up` makes to its end on a thread of its own, with a runtime of its
+/// own, and waits for it: for a `Drop` that cleans up over the network (it cannot await,
+/// and may run inside a runtime, where blocking on another is refused). Joining keeps the
+/// next test from seeing a half-done cleanup; a failure is ignored, as cleanup is best
+/// effort.
+pub fn clean_up_on_own_thread<F, Fut>(clean_up: F)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), Box<dyn std::error::Error>>>,
+{
+    let _ = std::thread::spawn(move || {
+        if let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            let _ = runtime.block_on(clean_up());
+        }
+    })
+    .join();
+}
+
 /// Waits until `done` holds, checking every 100 ms; panics after `limit`.
 pub async fn wait_until<F, Fut>(limit: Duration, mut done: F)
 where

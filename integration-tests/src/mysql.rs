@@ -83,22 +83,12 @@ impl ScratchDatabase {
 
 impl Drop for ScratchDatabase {
     fn drop(&mut self) {
-        // Drop cannot await: a thread with its own runtime drops the database, as
-        // `ScratchSchema` does.
         let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async {
-                let admin = admin_pool().await;
-                sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS `{name}`"))
-                    .execute(&admin)
-                    .await
-                    .map_err(std::io::Error::other)
-            })
-        })
-        .join();
+        crate::clean_up_on_own_thread(|| async move {
+            let drop = format!("DROP DATABASE IF EXISTS `{name}`");
+            sqlx::raw_sql(&drop).execute(&admin_pool().await).await?;
+            Ok(())
+        });
     }
 }
 

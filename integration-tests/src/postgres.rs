@@ -111,22 +111,14 @@ impl ScratchSchema {
 
 impl Drop for ScratchSchema {
     fn drop(&mut self) {
-        // Drop cannot await: a thread with its own runtime drops the schema, and joining it
-        // keeps the next test from seeing a half-dropped schema.
         let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async {
-                let client = pool(1).get().await.map_err(std::io::Error::other)?;
-                client
-                    .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .await
-                    .map_err(std::io::Error::other)
-            })
-        })
-        .join();
+        crate::clean_up_on_own_thread(|| async move {
+            let client = pool(1).get().await?;
+            client
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                .await?;
+            Ok(())
+        });
     }
 }
 
