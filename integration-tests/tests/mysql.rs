@@ -107,6 +107,57 @@ async fn coalesced_claims_of_two_stores_start_each_key_once() {
     assert_eq!(started, expected);
 }
 
+/// The pre-filter rebuilt from the MariaDB record table knows the keys settled as `SUCCESS`
+/// within the window, read in pages of 10,000, and no key still processing, failed or
+/// settled before the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pre_filter_rebuilt_from_the_records_knows_the_recent_successes_only() {
+    use oncely::prefilter::{BitmapPreFilter, PreFilter, Verdict, rebuild_from_mysql_records};
+
+    let pool = scratch_database(2).await;
+    migrate(&pool, &table()).await.expect("migrate");
+    for first in (1..=25_000).step_by(5_000) {
+        let mut insert = sqlx::QueryBuilder::new(
+            "INSERT INTO consumption_record (message_key, status, payload_fingerprint) ",
+        );
+        insert.push_values(first..first + 5_000, |mut row, n: u32| {
+            row.push_bind(n.to_string()).push_bind("SUCCESS").push_bind("f");
+        });
+        insert.build().execute(&pool).await.expect("insert the successes");
+    }
+    sqlx::raw_sql(
+        "INSERT INTO consumption_record (message_key, status, payload_fingerprint, updated_at)
+         VALUES ('25001', 'PROCESSING', 'f', UTC_TIMESTAMP(6)), ('25002', 'FAILURE', 'f', UTC_TIMESTAMP(6)),
+                ('25003', 'SUCCESS', 'f', UTC_TIMESTAMP(6) - INTERVAL 2 HOUR)",
+    )
+    .execute(&pool)
+    .await
+    .expect("insert the others");
+
+    let filter = BitmapPreFilter::new(0);
+    let mut reported = Vec::new();
+    let window = std::time::Duration::from_secs(3600);
+    let read = rebuild_from_mysql_records(&filter, &pool, &table(), window, |so_far| reported.push(so_far))
+        .await
+        .unwrap();
+    assert_eq!(read, 25_000);
+    assert_eq!(reported, [10_000, 20_000, 25_000], "progress after each batch");
+    let verdict = |key: &str| filter.check(&BusinessKey::new(key));
+    assert_eq!(verdict("1"), Verdict::MaybeSeen);
+    assert_eq!(verdict("25000"), Verdict::MaybeSeen);
+    assert_eq!(
+        verdict("25001"),
+        Verdict::CertainlyNew,
+        "still processing: not settled"
+    );
+    assert_eq!(verdict("25002"), Verdict::CertainlyNew, "failed: not settled");
+    assert_eq!(
+        verdict("25003"),
+        Verdict::CertainlyNew,
+        "settled before the window"
+    );
+}
+
 /// Consumers that start together each run the migration: all succeed, and the table is
 /// made once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,13 +23,16 @@
 //! ("maybe seen" for a new key) send that key through the full path, never skip it. A
 //! filter filled beyond its expected item count has more false positives, not wrong
 //! answers. Both backends start empty; with the `postgres` feature,
-//! [`rebuild_from_records`] fills one on start from the record table's recent successes.
+//! `rebuild_from_records` fills one on start from the record table's recent successes, and
+//! with the `mysql` feature `rebuild_from_mysql_records` from MySQL/MariaDB's.
 
 mod bitmap;
 mod bloom;
 mod layer;
 mod store;
 
+#[cfg(feature = "mysql")]
+pub use crate::store::mysql::prefilter::rebuild_from_mysql_records;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::prefilter::rebuild_from_records;
 pub use bitmap::BitmapPreFilter;

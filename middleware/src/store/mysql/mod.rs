@@ -1,7 +1,7 @@
 //! The MySQL and MariaDB store, on sqlx's driver: the record tier (three-step store,
 //! transactional tier on an XA transaction, its half of the batched mode, the reconciler's
-//! statements), the state guard's store, the lock store, the status helpers, their names
-//! and migrations. What it shares with PostgreSQL (how a claim that finds a row answers, the
+//! statements), the state guard's store, the lock store, the pre-filter's rebuild, the
+//! status helpers, their names and migrations. What it shares with PostgreSQL (how a claim that finds a row answers, the
 //! batched lanes) is in `store/sql/`.
 //!
 //! Every value goes to the server as a bound parameter; the table name cannot be one, so it
@@ -9,6 +9,8 @@
 
 pub(crate) mod claims;
 pub(crate) mod lock;
+#[cfg(feature = "prefilter")]
+pub(crate) mod prefilter;
 pub(crate) mod record;
 pub(crate) mod state;
 mod status_columns;

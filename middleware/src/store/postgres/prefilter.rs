@@ -9,9 +9,7 @@ use crate::error::StoreError;
 use crate::prefilter::PreFilter;
 use crate::store::postgres::Table;
 use crate::store::postgres::claims::Statements;
-
-/// Rows read per query while rebuilding.
-const REBUILD_BATCH: i64 = 10_000;
+use crate::store::sql::prefilter::{REBUILD_BATCH, RecentSuccesses, fill};
 
 /// Fills `filter` with the keys the record table `records` holds as `SUCCESS`, settled
 /// within the last `window`, and returns how many it read. `progress` is called after each
@@ -22,29 +20,35 @@ const REBUILD_BATCH: i64 = 10_000;
 /// answers for them. Rebuilding trades a start-up scan for that. Pick the window as the
 /// time within which duplicates arrive (the flag's retry window); keys settled before it
 /// still get their full path. Reads in pages by id, so it holds no long transaction; rows
-/// settled while it runs may be missed, which only costs speed.
+/// settled while it runs may be missed, which only costs speed. On MySQL/MariaDB:
+/// `rebuild_from_mysql_records`.
 pub async fn rebuild_from_records<F: PreFilter>(
     filter: &F,
     pool: &Pool,
     records: &Table,
     window: Duration,
-    mut progress: impl FnMut(u64),
+    progress: impl FnMut(u64),
 ) -> Result<u64, StoreError> {
     let client = pool.get().await?;
     let statement = client.prepare(&Statements::new(records).recent_successes).await?;
-    let (mut after, mut read) = (0_i64, 0_u64);
-    loop {
-        let rows = client
-            .query(&statement, &[&window.as_secs_f64(), &after, &REBUILD_BATCH])
+    fill(filter, &Pages { client, statement }, window, progress).await
+}
+
+/// The PostgreSQL record table's pages: one prepared statement on one connection.
+struct Pages {
+    client: deadpool_postgres::Object,
+    statement: deadpool_postgres::tokio_postgres::Statement,
+}
+
+impl RecentSuccesses for Pages {
+    async fn page(&self, window: Duration, after: i64) -> Result<Vec<(i64, BusinessKey)>, StoreError> {
+        let limit = REBUILD_BATCH as i64;
+        let rows = (self.client)
+            .query(&self.statement, &[&window.as_secs_f64(), &after, &limit])
             .await?;
-        for row in &rows {
-            after = row.get(0);
-            filter.remember(&BusinessKey::new(row.get::<_, String>(1)));
-        }
-        read += rows.len() as u64;
-        if rows.is_empty() {
-            return Ok(read);
-        }
-        progress(read);
+        Ok(rows
+            .iter()
+            .map(|row| (row.get(0), BusinessKey::new(row.get::<_, String>(1))))
+            .collect())
     }
 }
