@@ -74,6 +74,30 @@ where
     .join();
 }
 
+/// Checks a pre-filter rebuilt from a record table holding keys `1` to `25000` settled as
+/// `SUCCESS` within the window, `25001` still processing, `25002` failed and `25003`
+/// settled before the window: `read` and the `reported` progress count the 25,000 in pages
+/// of 10,000, and the filter knows exactly those.
+pub fn check_rebuilt_filter(filter: &impl oncely::prefilter::PreFilter, read: u64, reported: &[u64]) {
+    use oncely::prefilter::Verdict;
+    assert_eq!(read, 25_000);
+    assert_eq!(reported, [10_000, 20_000, 25_000], "progress after each batch");
+    let verdict = |key: &str| filter.check(&oncely::BusinessKey::new(key));
+    assert_eq!(verdict("1"), Verdict::MaybeSeen);
+    assert_eq!(verdict("25000"), Verdict::MaybeSeen);
+    assert_eq!(
+        verdict("25001"),
+        Verdict::CertainlyNew,
+        "still processing: not settled"
+    );
+    assert_eq!(verdict("25002"), Verdict::CertainlyNew, "failed: not settled");
+    assert_eq!(
+        verdict("25003"),
+        Verdict::CertainlyNew,
+        "settled before the window"
+    );
+}
+
 /// Waits until `done` holds, checking every 100 ms; panics after `limit`.
 pub async fn wait_until<F, Fut>(limit: Duration, mut done: F)
 where

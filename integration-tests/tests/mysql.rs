@@ -112,7 +112,7 @@ async fn coalesced_claims_of_two_stores_start_each_key_once() {
 /// settled before the window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pre_filter_rebuilt_from_the_records_knows_the_recent_successes_only() {
-    use oncely::prefilter::{BitmapPreFilter, PreFilter, Verdict, rebuild_from_mysql_records};
+    use oncely::prefilter::{BitmapPreFilter, rebuild_from_mysql_records};
 
     let pool = scratch_database(2).await;
     migrate(&pool, &table()).await.expect("migrate");
@@ -140,22 +140,7 @@ async fn a_pre_filter_rebuilt_from_the_records_knows_the_recent_successes_only()
     let read = rebuild_from_mysql_records(&filter, &pool, &table(), window, |so_far| reported.push(so_far))
         .await
         .unwrap();
-    assert_eq!(read, 25_000);
-    assert_eq!(reported, [10_000, 20_000, 25_000], "progress after each batch");
-    let verdict = |key: &str| filter.check(&BusinessKey::new(key));
-    assert_eq!(verdict("1"), Verdict::MaybeSeen);
-    assert_eq!(verdict("25000"), Verdict::MaybeSeen);
-    assert_eq!(
-        verdict("25001"),
-        Verdict::CertainlyNew,
-        "still processing: not settled"
-    );
-    assert_eq!(verdict("25002"), Verdict::CertainlyNew, "failed: not settled");
-    assert_eq!(
-        verdict("25003"),
-        Verdict::CertainlyNew,
-        "settled before the window"
-    );
+    integration_tests::check_rebuilt_filter(&filter, read, &reported);
 }
 
 /// Consumers that start together each run the migration: all succeed, and the table is

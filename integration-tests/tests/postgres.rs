@@ -387,7 +387,7 @@ async fn status_and_version_helpers_change_a_row_only_from_the_expected_state() 
 
 #[tokio::test]
 async fn a_pre_filter_rebuilt_from_the_records_knows_the_recent_successes_only() {
-    use oncely::prefilter::{BitmapPreFilter, PreFilter, Verdict, rebuild_from_records};
+    use oncely::prefilter::{BitmapPreFilter, rebuild_from_records};
 
     let pool = pool(2);
     let schema = ScratchSchema::new(&pool).await;
@@ -412,20 +412,5 @@ async fn a_pre_filter_rebuilt_from_the_records_knows_the_recent_successes_only()
     )
     .await
     .unwrap();
-    assert_eq!(read, 25_000);
-    assert_eq!(reported, [10_000, 20_000, 25_000], "progress after each batch");
-    let verdict = |key: &str| filter.check(&BusinessKey::new(key));
-    assert_eq!(verdict("1"), Verdict::MaybeSeen);
-    assert_eq!(verdict("25000"), Verdict::MaybeSeen);
-    assert_eq!(
-        verdict("25001"),
-        Verdict::CertainlyNew,
-        "still processing: not settled"
-    );
-    assert_eq!(verdict("25002"), Verdict::CertainlyNew, "failed: not settled");
-    assert_eq!(
-        verdict("25003"),
-        Verdict::CertainlyNew,
-        "settled before the window"
-    );
+    integration_tests::check_rebuilt_filter(&filter, read, &reported);
 }
