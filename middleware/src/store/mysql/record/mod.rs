@@ -59,11 +59,14 @@ impl MysqlRecordStore {
     /// `PgRecordStore::with_coalescing` does: a claim leaves at once, together with every
     /// other claim waiting at that moment (up to `max_rows`), whenever fewer than
     /// `max_batches` batches are on the wire; otherwise it joins the next. A lone claim adds
-    /// no delay. Each batch runs on its own pooled connection, so keep `max_batches` at or
-    /// below the pool's size.
+    /// no delay.
     ///
     /// Starts a background task on the current Tokio runtime, which ends when the last clone
     /// of the store is dropped.
+    ///
+    /// A batch of one or two claims runs each on its own, side by side (one round trip each,
+    /// against the batch's two), on up to two connections: keep `max_batches` at or below
+    /// half the pool's size. A takeover is always claimed on its own, after the batch.
     ///
     /// `max_rows` is capped at 1,000: a batch is two statements carrying its keys as
     /// literals, about 4.3 KB per row for keys of the longest kind, and 1,000 rows stay well
@@ -174,7 +177,8 @@ impl RecordStore for MysqlRecordStore {
             if let Some(answer) = coalescer.claim(request.clone()).await? {
                 return Ok(answer);
             }
-            // A takeover, or a key another consumer inserted during the batch: alone.
+            // A takeover, a key another consumer inserted during the batch, or a claim of a
+            // batch of one or two that failed: alone.
         }
         claim_alone(&self.pool, &self.statements, &request).await
     }
