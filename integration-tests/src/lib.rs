@@ -7,6 +7,7 @@ pub mod chaos_stack;
 pub mod commit_thief;
 pub mod dead_letter;
 pub mod harness;
+pub mod http;
 pub mod mysql;
 pub mod outcomes;
 pub mod postgres;

@@ -29,7 +29,8 @@ pub fn schema_pool(schema: &str, size: usize) -> Pool {
     pool_on(&format!("{url}{separator}options=-csearch_path%3D{schema}"), size)
 }
 
-fn pool_on(url: &str, size: usize) -> Pool {
+/// A pool of up to `size` connections to `url`.
+pub fn pool_on(url: &str, size: usize) -> Pool {
     pool_with(url.parse().expect("a valid DATABASE_URL"), size)
 }
 

@@ -94,6 +94,8 @@ pub struct Delivery {
     redelivered: bool,
     source: Source,
     json: ParsedBody,
+    fingerprint_context: Option<Bytes>,
+    extensions: Extensions,
 }
 
 /// The body's one JSON parse, once a reader asked for it. Its `Debug` says only whether it
@@ -126,6 +128,8 @@ impl Delivery {
             redelivered: false,
             source,
             json: ParsedBody::default(),
+            fingerprint_context: None,
+            extensions: Extensions::default(),
         }
     }
 
@@ -162,6 +166,25 @@ impl Delivery {
     /// Sets the attempt number (1 = first delivery). 0 is read as 1.
     pub fn with_attempt(mut self, attempt: u32) -> Self {
         self.attempt = attempt.max(1);
+        self
+    }
+
+    /// Sets what, besides the body, makes this delivery's payload: an HTTP request's
+    /// method and path, so that an idempotency key reused on another endpoint is another
+    /// payload. Fingerprints then cover it before what the route's
+    /// [`FingerprintPolicy`](crate::FingerprintPolicy) selects (unless the policy is off);
+    /// without it, fingerprints are those of earlier versions.
+    pub fn with_fingerprint_context(mut self, context: impl Into<Bytes>) -> Self {
+        self.fingerprint_context = Some(context.into());
+        self
+    }
+
+    /// Hands `value` to the stack: the envelope [`Route::handle`](crate::Route::handle) makes
+    /// of this delivery starts with it in its [extensions](Envelope::extensions), where the
+    /// tiers and the handler find it by type. For adapters that pass their own context (an
+    /// HTTP request's parts) to the service at the bottom of the stack.
+    pub fn with_extension<T: Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.extensions.insert(value);
         self
     }
 
@@ -216,6 +239,12 @@ impl Delivery {
     /// The broker and queue or topic.
     pub fn source(&self) -> &Source {
         &self.source
+    }
+
+    /// What besides the body is fingerprinted, if anything
+    /// ([`with_fingerprint_context`](Delivery::with_fingerprint_context)).
+    pub fn fingerprint_context(&self) -> Option<&Bytes> {
+        self.fingerprint_context.as_ref()
     }
 
     /// The body parsed as JSON, parsed on the first call and kept: every later call (from
@@ -317,15 +346,16 @@ impl Envelope {
         route: Arc<str>,
         key: BusinessKey,
         fingerprint: Fingerprint,
-        delivery: Delivery,
+        mut delivery: Delivery,
     ) -> Self {
+        let extensions = std::mem::take(&mut delivery.extensions);
         Envelope {
             key,
             fingerprint,
             delivery: Arc::new(delivery),
             route,
             certainly_new: false,
-            extensions: Extensions::default(),
+            extensions,
         }
     }
 

@@ -139,8 +139,24 @@ impl FingerprintPolicy {
         Ok(FingerprintPolicy(Policy::Fields(pointers.into())))
     }
 
-    /// The fingerprint of `delivery` under this policy.
+    /// The fingerprint of `delivery` under this policy, covering its
+    /// [context](Delivery::with_fingerprint_context) too when it has one.
     pub(crate) fn fingerprint(&self, delivery: &Delivery) -> Result<Fingerprint, InputError> {
+        let selected = self.of_body(delivery)?;
+        match delivery.fingerprint_context() {
+            Some(context) if selected != Fingerprint::UNCHECKED => {
+                // Length-prefixed, so that no context and selection can write the same bytes.
+                let mut covered = (context.len() as u64).to_le_bytes().to_vec();
+                covered.extend_from_slice(context);
+                covered.extend_from_slice(&selected.as_u128().to_le_bytes());
+                Ok(Fingerprint::of(&covered))
+            }
+            _ => Ok(selected),
+        }
+    }
+
+    /// The fingerprint of what this policy selects of `delivery`'s body.
+    fn of_body(&self, delivery: &Delivery) -> Result<Fingerprint, InputError> {
         match &self.0 {
             Policy::WholeBody => Ok(Fingerprint::of(delivery.body())),
             Policy::Off => Ok(Fingerprint::UNCHECKED),
@@ -254,6 +270,19 @@ mod tests {
         );
         assert_ne!(of(r#"{"a":1}"#), of(r#"{"a":2}"#));
         assert!(canonical.fingerprint(&delivery("not json")).is_err());
+
+        let in_context = |context: &'static str| {
+            let delivery = delivery(r#"{"orderId":"o-1"}"#).with_fingerprint_context(context);
+            policy.fingerprint(&delivery).unwrap()
+        };
+        assert_ne!(in_context("POST /orders"), in_context("POST /refunds"));
+        let without_context = policy.fingerprint(&delivery(r#"{"orderId":"o-1"}"#)).unwrap();
+        assert_ne!(in_context("POST /orders"), without_context);
+        let unchecked = delivery("x").with_fingerprint_context("POST /orders");
+        assert_eq!(
+            FingerprintPolicy::off().fingerprint(&unchecked).unwrap(),
+            Fingerprint::UNCHECKED
+        );
 
         let off = FingerprintPolicy::off().fingerprint(&delivery("x")).unwrap();
         assert!(off.matches(first) && first.matches(off));

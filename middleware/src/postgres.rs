@@ -4,4 +4,6 @@
 
 pub use deadpool_postgres;
 
-pub use crate::store::postgres::{Ident, StatusColumns, Table, migrate, migrate_lock, migrate_state};
+pub use crate::store::postgres::{
+    Ident, StatusColumns, Table, migrate, migrate_lock, migrate_script, migrate_state,
+};

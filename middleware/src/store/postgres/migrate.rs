@@ -32,6 +32,14 @@ pub async fn migrate_lock(pool: &Pool, table: &Table) -> Result<(), StoreError> 
     run_migration(pool, &table.render(ENTITY_LOCK)).await
 }
 
+/// Runs `sql`, a migration script of a crate built on oncely (`oncely-http`'s stored
+/// responses), the way oncely runs its own: in one transaction under oncely's migration
+/// advisory lock, so that processes starting at once take turns. Make every statement
+/// idempotent (`IF NOT EXISTS`).
+pub async fn migrate_script(pool: &Pool, sql: &str) -> Result<(), StoreError> {
+    run_migration(pool, sql).await
+}
+
 async fn run_migration(pool: &Pool, sql: &str) -> Result<(), StoreError> {
     let checkout = Checkout::get(pool).await?;
     // Concurrent `CREATE ... IF NOT EXISTS` can still collide in the catalog; the advisory

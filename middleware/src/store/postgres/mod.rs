@@ -25,7 +25,7 @@ use deadpool_postgres::tokio_postgres::error::SqlState;
 use deadpool_postgres::{Object, Pool};
 
 use crate::error::StoreError;
-pub use migrate::{migrate, migrate_lock, migrate_state};
+pub use migrate::{migrate, migrate_lock, migrate_script, migrate_state};
 pub use names::{Ident, Table};
 pub use status_columns::StatusColumns;
 

@@ -1,0 +1,291 @@
+//! The bottom of the stack: the user's HTTP service, run as an oncely handler.
+
+use std::any::Any;
+use std::convert::Infallible;
+use std::fmt;
+use std::future::poll_fn;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::request::Parts;
+use http::{HeaderName, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use oncely::record::TransactionSafe;
+use oncely::{BoxError, BoxFuture, Envelope, Outcome, RetryReason, Tier};
+use tower_service::Service;
+
+use crate::problem::Problem;
+use crate::response::{ResponseStore, StoredResponse};
+
+/// What the layer and the bottom of its stack hand each other for one request: the request's
+/// parts on the way in, the answer on the way out. The stack itself only answers an
+/// [`Outcome`].
+#[derive(Debug)]
+pub(crate) struct Exchange {
+    parts: Mutex<Option<Parts>>,
+    reply: Mutex<Option<Reply>>,
+}
+
+/// What the handler's run left for the layer to answer.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    /// The handler's response, stored; answered only if the stack then answers processed
+    /// (its transaction committed).
+    Completed(Response<Full<Bytes>>),
+    /// The handler's own 5xx response, passed on as it is: not stored, nothing committed.
+    ServerError(Response<Full<Bytes>>),
+    /// The run failed in a way the client is told with this problem.
+    Problem(Problem),
+}
+
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Exchange {
+    pub(crate) fn new(parts: Parts) -> Arc<Self> {
+        Arc::new(Exchange {
+            parts: Mutex::new(Some(parts)),
+            reply: Mutex::new(None),
+        })
+    }
+
+    pub(crate) fn take_reply(&self) -> Option<Reply> {
+        locked(&self.reply).take()
+    }
+
+    fn answer(&self, reply: Reply) {
+        *locked(&self.reply) = Some(reply);
+    }
+}
+
+/// How the bottom of the stack treats the handler's run; the layer's settings.
+#[derive(Clone, Debug)]
+pub(crate) struct RunSettings {
+    pub(crate) max_response_len: usize,
+    pub(crate) stored_headers: Arc<[HeaderName]>,
+    pub(crate) expiry: Duration,
+    pub(crate) timeout: Option<Duration>,
+}
+
+/// The user's HTTP service at the bottom of an [`IdempotencyLayer`](crate::IdempotencyLayer)'s
+/// tiers: the tiers' layers wrap this service.
+///
+/// Per request it runs the service on the request (with the record's open transaction in
+/// the request's extensions, where the store lends it), catching a panic and cutting the run
+/// off at the layer's timeout. Then:
+/// - a response under 500 is stored (in the record's transaction, with PostgreSQL) and
+///   answers [`Outcome::Processed`], so the tiers in front commit and mark the key done;
+/// - a 5xx response, an error, a panic, a timeout, or a response larger than the stored
+///   maximum answers [`Outcome::RetryLater`], so the tiers roll back and release the key:
+///   nothing was committed, and the client's retry with the same key runs the handler again.
+///
+/// It writes nothing outside the record's transaction, so it may stand behind the
+/// transactional record ([`TransactionSafe`]).
+pub struct HttpHandler<S, R> {
+    inner: S,
+    responses: R,
+    settings: Arc<RunSettings>,
+}
+
+impl<S: Clone, R: Clone> Clone for HttpHandler<S, R> {
+    fn clone(&self) -> Self {
+        HttpHandler {
+            inner: self.inner.clone(),
+            responses: self.responses.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+impl<S, R> fmt::Debug for HttpHandler<S, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpHandler")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, R> TransactionSafe for HttpHandler<S, R> {}
+
+impl<S, R> HttpHandler<S, R> {
+    pub(crate) fn new(inner: S, responses: R, settings: Arc<RunSettings>) -> Self {
+        HttpHandler {
+            inner,
+            responses,
+            settings,
+        }
+    }
+}
+
+impl<S, R, ResBody> Service<Envelope> for HttpHandler<S, R>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError> + Send,
+    S::Future: Send,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+    R: ResponseStore,
+{
+    type Response = Outcome;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Outcome, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // The user's service is readied in `call`, on its own clone.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, envelope: Envelope) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.run(envelope).await) })
+    }
+}
+
+impl<S, R, ResBody> HttpHandler<S, R>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError> + Send,
+    S::Future: Send,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+    R: ResponseStore,
+{
+    /// Runs the user's service on the envelope's request and leaves the answer in its
+    /// exchange; the outcome tells the tiers in front whether to commit.
+    async fn run(self, envelope: Envelope) -> Outcome {
+        let exchange = envelope.extensions().get::<Arc<Exchange>>().cloned();
+        let Some(mut parts) = exchange
+            .as_ref()
+            .and_then(|exchange| locked(&exchange.parts).take())
+        else {
+            let detail = "no request: the HTTP handler runs only under IdempotencyLayer";
+            return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
+        };
+        let exchange = exchange.unwrap_or_else(|| unreachable!("the parts came from it"));
+        self.responses.lend(&envelope, &mut parts.extensions);
+        let request = Request::from_parts(parts, Full::new(envelope.delivery().body().clone()));
+        let (reply, outcome) = match self.respond(request).await {
+            Err(failed) => (Reply::Problem(failed.problem), failed.outcome),
+            Ok(response) if response.status().is_server_error() => {
+                let detail = format!("the handler answered {}", response.status());
+                let outcome = Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
+                (Reply::ServerError(response), outcome)
+            }
+            Ok(response) => match self.store(&envelope, &response).await {
+                Ok(()) => (Reply::Completed(response), Outcome::Processed),
+                Err(failed) => (Reply::Problem(failed.problem), failed.outcome),
+            },
+        };
+        exchange.answer(reply);
+        outcome
+    }
+
+    /// The user's response, read whole; a failed, panicked or timed-out run, or a response
+    /// over the stored maximum, as the outcome that rolls the tiers back.
+    async fn respond(&self, request: Request<Full<Bytes>>) -> Result<Response<Full<Bytes>>, Failed> {
+        let mut inner = self.inner.clone();
+        let run = async move {
+            poll_fn(|cx| inner.poll_ready(cx)).await?;
+            inner.call(request).await
+        };
+        let run = AssertUnwindSafe(run).catch_unwind();
+        let answered = match self.settings.timeout {
+            None => run.await,
+            Some(limit) => tokio::time::timeout(limit, run).await.map_err(|_| {
+                Failed::handler_detail(format!("the handler did not answer within {limit:?}"))
+            })?,
+        };
+        let response = match answered {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => {
+                return Err(Failed::handler_detail(format!(
+                    "the handler failed: {}",
+                    error.into()
+                )));
+            }
+            Err(panic) => return Err(Failed::handler(panicked(panic.as_ref()))),
+        };
+        let (parts, body) = response.into_parts();
+        let max = self.settings.max_response_len;
+        match Limited::new(body, max).collect().await {
+            Ok(collected) => Ok(Response::from_parts(parts, Full::new(collected.to_bytes()))),
+            Err(error) if error.is::<LengthLimitError>() => Err(Failed {
+                outcome: Outcome::retry_later(
+                    RetryReason::HandlerFailed,
+                    format!("the response is larger than the stored maximum of {max} bytes"),
+                    None,
+                ),
+                problem: Problem::ResponseTooLarge { max },
+            }),
+            Err(error) => Err(Failed::handler_detail(format!(
+                "the handler's response body failed: {error}"
+            ))),
+        }
+    }
+
+    /// Stores `response` as the key's answer.
+    async fn store(&self, envelope: &Envelope, response: &Response<Full<Bytes>>) -> Result<(), Failed> {
+        let body = response.body().clone().collect().await;
+        let body = body
+            .map(|collected| collected.to_bytes())
+            .unwrap_or_else(|never| match never {});
+        let stored = StoredResponse::keep(
+            response.status(),
+            response.headers(),
+            &self.settings.stored_headers,
+            body,
+        );
+        let saved = self.responses.save(envelope, &stored, self.settings.expiry).await;
+        saved.map_err(|error| {
+            tracing::warn!(key = %envelope.key(), %error, "could not store the response; rolling back");
+            Failed {
+                outcome: Outcome::retry_later(
+                    RetryReason::StoreUnavailable(Tier::Record),
+                    error.to_string(),
+                    None,
+                ),
+                problem: Problem::StoreUnavailable {
+                    retry_after: Duration::from_secs(1),
+                },
+            }
+        })
+    }
+}
+
+/// A run that committed nothing: the outcome the tiers settle by, the problem the client is
+/// answered with.
+struct Failed {
+    outcome: Outcome,
+    problem: Problem,
+}
+
+impl Failed {
+    /// The handler failed: a retry runs it again.
+    fn handler(outcome: Outcome) -> Self {
+        Failed {
+            outcome,
+            problem: Problem::HandlerFailed,
+        }
+    }
+
+    fn handler_detail(detail: String) -> Self {
+        Failed::handler(Outcome::retry_later(RetryReason::HandlerFailed, detail, None))
+    }
+}
+
+/// The outcome of a handler that panicked with `panic`, logged.
+fn panicked(panic: &(dyn Any + Send)) -> Outcome {
+    let message = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message");
+    tracing::error!(panic = message, "the HTTP handler panicked; nothing is committed");
+    Outcome::retry_later(RetryReason::HandlerPanicked, format!("panicked: {message}"), None)
+}

@@ -1,0 +1,169 @@
+//! The `Idempotency-Key` header, and the business key a request is remembered under.
+
+use http::HeaderMap;
+use http::header::HeaderName;
+
+use crate::problem::Problem;
+
+/// The request header that carries the key (draft-ietf-httpapi-idempotency-key-header-07).
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The response header that marks a stored response answered again: `true`. Stripe's name
+/// for it; the draft names none.
+pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The longest key accepted unless configured otherwise, in bytes: 255, Stripe's limit.
+pub const DEFAULT_MAX_KEY_LEN: usize = 255;
+
+/// Reads the one `name` header as a key: `Ok(None)` when there is none.
+///
+/// Draft-07 makes the value a structured-field string (RFC 8941: `"…"`, printable ASCII,
+/// `\"` and `\\` escaped). A bare value of printable ASCII without quotes, backslashes,
+/// spaces, commas or semicolons is read the same way, because many clients (Stripe's among
+/// them) send keys unquoted. Two headers, a list, parameters, other characters, an empty key
+/// or one longer than `max_len` bytes are refused ([`Problem::KeyMalformed`]).
+pub(crate) fn read_key(
+    headers: &HeaderMap,
+    name: &HeaderName,
+    max_len: usize,
+) -> Result<Option<String>, Problem> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(Problem::key_malformed(format!("more than one `{name}` header")));
+    }
+    let key = parse_value(value.as_bytes()).map_err(Problem::key_malformed)?;
+    if key.is_empty() {
+        return Err(Problem::key_malformed(format!("`{name}` is empty")));
+    }
+    if key.len() > max_len {
+        return Err(Problem::key_malformed(format!(
+            "`{name}` is {} bytes long; at most {max_len} are accepted",
+            key.len()
+        )));
+    }
+    Ok(Some(key))
+}
+
+/// A structured-field string, or a bare token of the same characters.
+fn parse_value(raw: &[u8]) -> Result<String, String> {
+    let trimmed = raw.trim_ascii();
+    let Some(quoted) = trimmed.strip_prefix(b"\"") else {
+        return match trimmed.iter().find(|&&byte| !is_bare(byte)) {
+            None => Ok(String::from_utf8_lossy(trimmed).into_owned()),
+            Some(&byte) => Err(format!(
+                "the key holds {:?}, which only a quoted structured-field string may",
+                char::from(byte)
+            )),
+        };
+    };
+    let mut key = String::new();
+    let mut bytes = quoted.iter();
+    loop {
+        match bytes.next() {
+            None => return Err("the quoted key has no closing quote".to_owned()),
+            Some(b'"') => break,
+            Some(b'\\') => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => key.push(char::from(escaped)),
+                _ => return Err("a backslash in a quoted key escapes only `\"` or `\\`".to_owned()),
+            },
+            Some(&byte @ 0x20..=0x7e) => key.push(char::from(byte)),
+            Some(&byte) => {
+                return Err(format!(
+                    "the key holds byte {byte:#04x}: only printable ASCII is allowed"
+                ));
+            }
+        }
+    }
+    if bytes.next().is_some() {
+        return Err(
+            "text after the quoted key: a list or parameters, where one string is expected".to_owned(),
+        );
+    }
+    Ok(key)
+}
+
+/// Printable ASCII that needs no quoting.
+fn is_bare(byte: u8) -> bool {
+    matches!(byte, 0x21..=0x7e) && !matches!(byte, b'"' | b'\\' | b',' | b';')
+}
+
+/// The business key of `key` sent by `client`: the client's identity first, with `%` and
+/// `:` escaped so that no two (client, key) pairs compose the same text.
+pub(crate) fn scoped(client: &str, key: &str) -> String {
+    let mut scoped = String::with_capacity(client.len() + key.len() + 1);
+    for ch in client.chars() {
+        match ch {
+            '%' => scoped.push_str("%25"),
+            ':' => scoped.push_str("%3A"),
+            ch => scoped.push(ch),
+        }
+    }
+    scoped.push(':');
+    scoped.push_str(key);
+    scoped
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+
+    fn read(values: &[&'static str]) -> Result<Option<String>, Problem> {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static(value));
+        }
+        read_key(&headers, &IDEMPOTENCY_KEY, 16)
+    }
+
+    #[test]
+    fn reads_quoted_and_bare_keys() {
+        assert_eq!(read(&[]).unwrap(), None);
+        assert_eq!(read(&[r#""8e03978e""#]).unwrap().as_deref(), Some("8e03978e"));
+        assert_eq!(
+            read(&[r#""a \"b\" \\c""#]).unwrap().as_deref(),
+            Some(r#"a "b" \c"#)
+        );
+        assert_eq!(read(&["8e03-978e"]).unwrap().as_deref(), Some("8e03-978e"));
+    }
+
+    #[test]
+    fn refuses_what_is_not_one_valid_key() {
+        for bad in [
+            &[r#""a""#, r#""b""#][..],
+            &[r#""""#],
+            &[r#""a", "b""#],
+            &[r#""a";p=1"#],
+            &[r#""unclosed"#],
+            &[r#""a\x""#],
+            &["a b"],
+            &["a,b"],
+            &[r#""0123456789abcdefg""#],
+        ] {
+            assert!(
+                matches!(read(bad), Err(Problem::KeyMalformed { .. })),
+                "{bad:?} was accepted"
+            );
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            IDEMPOTENCY_KEY,
+            HeaderValue::from_bytes(b"\"caf\xc3\xa9\"").unwrap(),
+        );
+        assert!(
+            read_key(&headers, &IDEMPOTENCY_KEY, 16).is_err(),
+            "non-ASCII accepted"
+        );
+    }
+
+    #[test]
+    fn scoping_cannot_merge_two_clients() {
+        assert_ne!(scoped("a:b", "c"), scoped("a", "b:c"));
+        assert_ne!(scoped("a%3Ab", "c"), scoped("a:b", "c"));
+        assert_eq!(scoped("tenant-1", "k"), "tenant-1:k");
+    }
+}

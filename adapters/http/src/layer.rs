@@ -1,0 +1,551 @@
+//! The layer: a request in, one of the stack's outcomes answered as HTTP.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, HeaderName};
+use http::request::Parts;
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use oncely::{
+    BoxError, BoxFuture, BusinessKey, DEFAULT_MAX_BODY_LEN, DeadLetterReason, Delivery, Envelope,
+    FingerprintPolicy, KeyExtractor, Outcome, RetryLater, RetryReason, Route, Source,
+};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::handler::{Exchange, HttpHandler, Reply, RunSettings};
+use crate::key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, read_key, scoped};
+use crate::problem::Problem;
+use crate::response::ResponseStore;
+use crate::token::{TokenBook, TokenCheck, TokenField};
+
+/// The largest stored response body unless configured otherwise: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_LEN: usize = 1024 * 1024;
+
+/// How long a stored response is kept unless configured otherwise: 24 hours, Stripe's
+/// window.
+pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(24 * 3600);
+
+/// Reads which client sent a request from its parts.
+type ReadClient = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Tells which client sent a request: a tenant, an API key, an authenticated principal.
+#[derive(Clone)]
+pub(crate) struct ClientIdentity(Arc<ReadClient>);
+
+impl ClientIdentity {
+    pub(crate) fn new(of: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        ClientIdentity(Arc::new(of))
+    }
+
+    pub(crate) fn of(&self, parts: &Parts) -> Option<String> {
+        (self.0)(parts)
+    }
+}
+
+/// Where a request's key comes from.
+#[derive(Clone)]
+enum KeySource {
+    /// The `Idempotency-Key` header (or another), required or not.
+    Header {
+        name: HeaderName,
+        required: bool,
+        max_len: usize,
+    },
+    /// A one-time token, checked in its book.
+    Token {
+        book: Arc<dyn TokenBook>,
+        field: TokenField,
+    },
+}
+
+/// What a request's key source found.
+enum KeyFound {
+    /// Run the request under this key.
+    Run(String),
+    /// The route's key is optional and the request has none: run it as it is.
+    None,
+    /// An expired token: answer its stored response if it ran, refuse it otherwise.
+    ReplayOnly(String),
+}
+
+/// Settings shared by the layer and every service it makes.
+#[derive(Clone)]
+struct Config {
+    name: Arc<str>,
+    key: KeySource,
+    client: Option<ClientIdentity>,
+    fingerprint: FingerprintPolicy,
+    max_body_len: usize,
+    settings: RunSettings,
+}
+
+/// Makes an HTTP endpoint idempotent with the same tiers as oncely's consumers, following
+/// draft-ietf-httpapi-idempotency-key-header-07.
+///
+/// Per request: the `Idempotency-Key` header is read ([`Problem::KeyMissing`],
+/// [`Problem::KeyMalformed`]) and scoped by the client ([`with_client`](Self::with_client)),
+/// the body read up to its limit ([`Problem::BodyTooLarge`]), and the request runs as one
+/// delivery through `tiers` — e.g. the Redis flag in front of the transactional record —
+/// with the user's service at the bottom ([`HttpHandler`]). The fingerprint covers the
+/// method, the path and the body (or the fields [`with_fingerprint`](Self::with_fingerprint)
+/// names). Then, by the stack's outcome:
+///
+/// | outcome | answer |
+/// |---|---|
+/// | processed | the handler's response, stored (status, [stored headers](Self::with_stored_headers), body) |
+/// | duplicate | the stored response again, with `Idempotent-Replayed: true`; [`Problem::ResponseGone`] once it expired |
+/// | the key in flight elsewhere | 409 [`Problem::KeyInFlight`] with `Retry-After` |
+/// | another payload under the key | 422 [`Problem::KeyReused`] |
+/// | a store that must decide is down | 503 [`Problem::StoreUnavailable`] with `Retry-After`: nothing ran |
+/// | the handler answered 5xx | its response, not stored; nothing committed |
+/// | the handler failed, panicked or [timed out](Self::with_timeout) | 500 [`Problem::HandlerFailed`]; nothing committed |
+///
+/// "Nothing committed" holds for what the handler writes in the record's transaction: with
+/// [`PgResponses`](crate::PgResponses) behind `oncely::record::PgTransactionalLayer`, the
+/// handler finds that transaction in its request's extensions (axum:
+/// `Extension<PgTransaction>`), and the business write, the stored response and the record
+/// commit together or not at all. A 2xx–4xx answer is the key's result: it is stored and
+/// committed with whatever the handler wrote. A write the handler makes elsewhere is its
+/// own to make idempotent.
+///
+/// The tiers must settle a key only when the stack answers processed, as oncely's do: a key
+/// in flight is one whose handler has not answered yet.
+#[derive(Clone)]
+pub struct IdempotencyLayer<T, R> {
+    tiers: T,
+    responses: R,
+    config: Config,
+}
+
+impl<T, R> fmt::Debug for IdempotencyLayer<T, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("name", &self.config.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
+    /// Requests through `tiers` (a `tower::Layer` over [`HttpHandler`], such as a
+    /// `ServiceBuilder` of oncely's tier layers), their responses kept in `responses`.
+    ///
+    /// Defaults: the `Idempotency-Key` header, required, at most [`DEFAULT_MAX_KEY_LEN`]
+    /// bytes; every client in one scope (see [`with_client`](Self::with_client)); the
+    /// fingerprint over method, path and whole body; bodies up to
+    /// [`oncely::DEFAULT_MAX_BODY_LEN`]; stored responses up to
+    /// [`DEFAULT_MAX_RESPONSE_LEN`], with their `Content-Type`, kept [`DEFAULT_EXPIRY`]; no
+    /// timeout; the route named `http` in metrics and logs.
+    pub fn new(tiers: T, responses: R) -> Self {
+        IdempotencyLayer {
+            tiers,
+            responses,
+            config: Config {
+                name: Arc::from("http"),
+                key: KeySource::Header {
+                    name: IDEMPOTENCY_KEY,
+                    required: true,
+                    max_len: DEFAULT_MAX_KEY_LEN,
+                },
+                client: None,
+                fingerprint: FingerprintPolicy::whole_body(),
+                max_body_len: DEFAULT_MAX_BODY_LEN,
+                settings: RunSettings {
+                    max_response_len: DEFAULT_MAX_RESPONSE_LEN,
+                    stored_headers: Arc::from([CONTENT_TYPE]),
+                    expiry: DEFAULT_EXPIRY,
+                    timeout: None,
+                },
+            },
+        }
+    }
+
+    /// Names the route in metrics and logs (default `http`).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.config.name = Arc::from(name);
+        self
+    }
+
+    /// Scopes keys by the client `client` reads from the request (a tenant header, an API
+    /// key, an authenticated principal an earlier layer put in the extensions), so one
+    /// client never sees another's response. A request it answers `None` for is refused
+    /// with [`Problem::ClientUnidentified`]. Without it every client shares one scope: fit
+    /// for a single caller, such as a payment provider's callbacks.
+    pub fn with_client(mut self, client: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
+        self.config.client = Some(ClientIdentity::new(client));
+        self
+    }
+
+    /// Lets requests without a key through, run as they are, without the tiers: for an
+    /// endpoint whose clients may opt in. A handler that takes the record's transaction
+    /// then finds none.
+    pub fn optional(mut self) -> Self {
+        if let KeySource::Header { required, .. } = &mut self.config.key {
+            *required = false;
+        }
+        self
+    }
+
+    /// Reads the key from `header` instead of `Idempotency-Key`, such as a payment
+    /// provider's notification id header, with the same rules.
+    pub fn with_key_header(mut self, header: HeaderName) -> Self {
+        if let KeySource::Header { name, .. } = &mut self.config.key {
+            *name = header;
+        }
+        self
+    }
+
+    /// Sets the longest key accepted, in bytes (default [`DEFAULT_MAX_KEY_LEN`]).
+    pub fn with_max_key_len(mut self, max: usize) -> Self {
+        if let KeySource::Header { max_len, .. } = &mut self.config.key {
+            *max_len = max;
+        }
+        self
+    }
+
+    /// Takes one-time tokens from `book` instead of an `Idempotency-Key`: each submit
+    /// carries a token in `field`, issued to its client by a
+    /// [`TokenIssuer`](crate::TokenIssuer), and runs once. A concurrent second submit is
+    /// answered [`Problem::KeyInFlight`] (with the flag in front; behind the transactional
+    /// record alone it waits for the first and gets its response), a later one the first's
+    /// response; a token that is missing, unknown, another client's or expired is refused
+    /// ([`Problem::TokenMissing`], [`Problem::TokenUnknown`], [`Problem::TokenExpired`]).
+    pub fn with_one_time_tokens(mut self, book: impl TokenBook, field: TokenField) -> Self {
+        self.config.key = KeySource::Token {
+            book: Arc::new(book),
+            field,
+        };
+        self
+    }
+
+    /// Fingerprints what `policy` selects of the body, besides method and path (default:
+    /// the whole body): a client that resends an order with a new timestamp field is still
+    /// the same request under `FingerprintPolicy::fields(["/orderId", "/amount"])`.
+    pub fn with_fingerprint(mut self, policy: FingerprintPolicy) -> Self {
+        self.config.fingerprint = policy;
+        self
+    }
+
+    /// Sets the largest request body, in bytes (default [`oncely::DEFAULT_MAX_BODY_LEN`]);
+    /// a larger one is refused with [`Problem::BodyTooLarge`] as soon as it is read past it.
+    pub fn with_max_body_len(mut self, max: usize) -> Self {
+        self.config.max_body_len = max;
+        self
+    }
+
+    /// Sets the largest stored response body, in bytes (default
+    /// [`DEFAULT_MAX_RESPONSE_LEN`]). A handler that answers more is answered
+    /// [`Problem::ResponseTooLarge`] and its work rolled back: a response that cannot be
+    /// stored could not be given to the retry.
+    pub fn with_max_response_len(mut self, max: usize) -> Self {
+        self.config.settings.max_response_len = max;
+        self
+    }
+
+    /// Sets the response headers stored and answered again (default `Content-Type`), e.g.
+    /// `Location`. Others (cookies, dates, tracing) are answered to the first request only.
+    pub fn with_stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.settings.stored_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Sets how long a stored response is answered again (default [`DEFAULT_EXPIRY`]). Once
+    /// it expired, a retry is answered [`Problem::ResponseGone`] (the operation is not run
+    /// again) until the key's record is purged (`PgResponses::purge_expired`), after
+    /// which the key is new. Keep it longer than your clients retry, and the Redis flag's
+    /// retry window no longer than it.
+    pub fn with_expiry(mut self, expiry: Duration) -> Self {
+        self.config.settings.expiry = expiry;
+        self
+    }
+
+    /// Cuts the handler off after `limit`: its future is dropped, its transaction rolled
+    /// back, the client answered [`Problem::HandlerFailed`] and the key released, so a
+    /// retry runs it again.
+    pub fn with_timeout(mut self, limit: Duration) -> Self {
+        self.config.settings.timeout = Some(limit);
+        self
+    }
+}
+
+impl<S, T, R> Layer<S> for IdempotencyLayer<T, R>
+where
+    S: Clone,
+    T: Layer<HttpHandler<S, R>>,
+    T::Service: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    <T::Service as Service<Envelope>>::Error: Into<BoxError>,
+    <T::Service as Service<Envelope>>::Future: Send,
+    R: ResponseStore,
+{
+    type Service = Idempotency<S, T::Service, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let settings = Arc::new(self.config.settings.clone());
+        let handler = HttpHandler::new(inner.clone(), self.responses.clone(), settings);
+        // Keys are the client's scope and the client's key; the key's own limit is checked
+        // when it is read, so the route only guards against an unbounded client identity.
+        let keys = KeyExtractor::message_id().with_max_len(4096);
+        let route = Route::new(self.config.name.clone(), keys, self.tiers.layer(handler))
+            .with_fingerprint(self.config.fingerprint.clone())
+            .with_max_body_len(self.config.max_body_len);
+        Idempotency {
+            inner,
+            route,
+            responses: self.responses.clone(),
+            config: Arc::new(self.config.clone()),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] makes around the user's service `S`, with its tiers `St`.
+pub struct Idempotency<S, St, R> {
+    inner: S,
+    route: Route<St>,
+    responses: R,
+    config: Arc<Config>,
+}
+
+impl<S: Clone, St: Clone, R: Clone> Clone for Idempotency<S, St, R> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            route: self.route.clone(),
+            responses: self.responses.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S, St, R> fmt::Debug for Idempotency<S, St, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("route", &self.config.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The body the layer answers with: the user's own (a request without a key, let through)
+/// or a buffered one (the handler's read response, a stored one, a problem).
+pub type IdempotentBody<B> = Either<B, Full<Bytes>>;
+
+impl<S, St, R, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, R>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError> + Send,
+    S::Future: Send,
+    St: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    St::Error: Into<BoxError>,
+    St::Future: Send,
+    R: ResponseStore,
+    ReqBody: Body + Send + 'static,
+    ReqBody::Data: Send,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<IdempotentBody<ResBody>>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // The route readies its stack per request, on its own clone.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            Ok(match this.answer(request).await {
+                Ok(response) => response,
+                Err(problem) => problem.to_response().map(Either::Right),
+            })
+        })
+    }
+}
+
+impl<S, St, R, ResBody> Idempotency<S, St, R>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError> + Send,
+    S::Future: Send,
+    St: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+    St::Error: Into<BoxError>,
+    St::Future: Send,
+    R: ResponseStore,
+{
+    /// The response to `request`: the handler's, a stored one, or the problem that stopped it.
+    async fn answer<B>(self, request: Request<B>) -> Result<Response<IdempotentBody<ResBody>>, Problem>
+    where
+        B: Body + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = request.into_parts();
+        let client = match &self.config.client {
+            None => String::new(),
+            Some(identity) => identity.of(&parts).ok_or(Problem::ClientUnidentified)?,
+        };
+        let body = read_body(body, self.config.max_body_len).await?;
+        let key = match self.find_key(&parts, &body, &client).await? {
+            KeyFound::Run(key) => key,
+            KeyFound::None => {
+                return self
+                    .let_through(Request::from_parts(parts, Full::new(body)))
+                    .await;
+            }
+            KeyFound::ReplayOnly(token) => {
+                let key = BusinessKey::new(scoped(&client, &token));
+                return match self.replay(&key).await {
+                    Err(Problem::ResponseGone) => Err(Problem::TokenExpired),
+                    answered => answered,
+                };
+            }
+        };
+        let key = scoped(&client, &key);
+        let context = format!("{} {}", parts.method, parts.uri.path());
+        let exchange = Exchange::new(parts);
+        let delivery = Delivery::new(Source::new(&*self.config.name), body)
+            .with_message_id(key.clone())
+            .with_fingerprint_context(context)
+            .with_extension(exchange.clone());
+        let outcome = self.route.handle(delivery).await;
+        self.settle(outcome, exchange.take_reply(), &BusinessKey::new(key))
+            .await
+    }
+
+    /// The request's key, as the route's key source finds it.
+    async fn find_key(&self, parts: &Parts, body: &Bytes, client: &str) -> Result<KeyFound, Problem> {
+        match &self.config.key {
+            KeySource::Header {
+                name,
+                required,
+                max_len,
+            } => match read_key(&parts.headers, name, *max_len)? {
+                Some(key) => Ok(KeyFound::Run(key)),
+                None if *required => Err(Problem::KeyMissing),
+                None => Ok(KeyFound::None),
+            },
+            KeySource::Token { book, field } => {
+                let token = field.read(&parts.headers, body)?;
+                match book.check(token.clone(), client.to_owned()).await {
+                    Ok(TokenCheck::Valid) => Ok(KeyFound::Run(token)),
+                    Ok(TokenCheck::Expired) => Ok(KeyFound::ReplayOnly(token)),
+                    Ok(TokenCheck::Unknown) => Err(Problem::TokenUnknown),
+                    Err(error) => {
+                        tracing::warn!(%error, "could not check a one-time token");
+                        Err(unavailable(None))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs a request without a key on the user's service, as it is.
+    async fn let_through(
+        &self,
+        request: Request<Full<Bytes>>,
+    ) -> Result<Response<IdempotentBody<ResBody>>, Problem> {
+        let mut inner = self.inner.clone();
+        let answered = async {
+            poll_fn(|cx| inner.poll_ready(cx)).await?;
+            inner.call(request).await
+        };
+        match answered.await {
+            Ok(response) => Ok(response.map(Either::Left)),
+            Err(error) => {
+                tracing::warn!(error = %error.into(), "the HTTP handler failed on a request without a key");
+                Err(Problem::HandlerFailed)
+            }
+        }
+    }
+
+    /// The answer for the stack's `outcome`, with what the handler's run left in `reply`.
+    async fn settle(
+        &self,
+        outcome: Outcome,
+        reply: Option<Reply>,
+        key: &BusinessKey,
+    ) -> Result<Response<IdempotentBody<ResBody>>, Problem> {
+        match (outcome, reply) {
+            (Outcome::Processed, Some(Reply::Completed(response))) => Ok(response.map(Either::Right)),
+            (Outcome::Processed, _) => {
+                tracing::error!(%key, "processed without the handler's response: a tier answered for it");
+                Err(Problem::HandlerFailed)
+            }
+            (Outcome::Duplicate { .. }, _) => self.replay(key).await,
+            (Outcome::Stale { current, target }, _) => Err(Problem::Stale { current, target }),
+            (Outcome::RetryLater(_), Some(Reply::ServerError(response))) => Ok(response.map(Either::Right)),
+            (Outcome::RetryLater(_), Some(Reply::Problem(problem))) => Err(problem),
+            (Outcome::RetryLater(retry), _) => Err(retry_problem(key, &retry)),
+            (Outcome::DeadLetter(dead), _) => Err(match dead.reason {
+                DeadLetterReason::PayloadMismatch => Problem::KeyReused,
+                DeadLetterReason::Oversize => Problem::BodyTooLarge {
+                    max: self.config.max_body_len,
+                },
+                DeadLetterReason::InvalidKey => Problem::key_malformed(dead.detail),
+                _ => {
+                    tracing::warn!(%key, %dead, "the stack refused the request");
+                    Problem::HandlerFailed
+                }
+            }),
+        }
+    }
+
+    /// The key's stored response, answered again.
+    async fn replay(&self, key: &BusinessKey) -> Result<Response<IdempotentBody<ResBody>>, Problem> {
+        match self.responses.load(key).await {
+            Ok(Some(stored)) => Ok(stored.replay().map(Either::Right)),
+            Ok(None) => Err(Problem::ResponseGone),
+            Err(error) => {
+                tracing::warn!(%key, %error, "could not read the stored response");
+                Err(unavailable(None))
+            }
+        }
+    }
+}
+
+/// The problem a retry is answered with; failures are logged, since the client is told
+/// nothing of their cause.
+fn retry_problem(key: &BusinessKey, retry: &RetryLater) -> Problem {
+    match retry.reason {
+        RetryReason::InFlight(_) | RetryReason::LockBusy => Problem::KeyInFlight {
+            retry_after: retry.delay.unwrap_or(Duration::from_secs(1)),
+        },
+        RetryReason::HandlerFailed | RetryReason::HandlerPanicked => {
+            tracing::warn!(%key, %retry, "the request failed; nothing was committed");
+            Problem::HandlerFailed
+        }
+        _ => {
+            tracing::warn!(%key, %retry, "a store failed; nothing was committed");
+            unavailable(retry.delay)
+        }
+    }
+}
+
+/// 503 with `Retry-After`: `delay`, or one second.
+fn unavailable(delay: Option<Duration>) -> Problem {
+    Problem::StoreUnavailable {
+        retry_after: delay.unwrap_or(Duration::from_secs(1)),
+    }
+}
+
+/// The whole body, refused once it grows past `max`.
+async fn read_body<B>(body: B, max: usize) -> Result<Bytes, Problem>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(Problem::BodyTooLarge { max }),
+        Err(error) => {
+            tracing::debug!(%error, "the request body could not be read");
+            Err(Problem::BodyUnreadable)
+        }
+    }
+}

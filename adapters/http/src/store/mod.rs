@@ -1,0 +1,5 @@
+//! Where stored responses and one-time tokens live, one module per store.
+
+pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;

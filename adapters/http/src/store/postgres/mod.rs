@@ -1,0 +1,270 @@
+//! PostgreSQL: stored responses written in the transactional record's transaction, and
+//! one-time tokens.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use deadpool_postgres::Pool;
+use oncely::postgres::{Table, migrate_script};
+use oncely::record::PgTransaction;
+use oncely::{BoxFuture, BusinessKey, ConfigError, Envelope, StoreError};
+
+use crate::response::{ResponseStore, StoredResponse};
+use crate::token::{TokenBook, TokenCheck, fresh_token};
+
+const RESPONSES: &str = include_str!("responses.sql");
+const TOKENS: &str = include_str!("tokens.sql");
+
+/// `migration` with `table`'s names in it.
+fn render(migration: &str, table: &Table) -> String {
+    migration
+        .replace("{schema}", &table.schema().to_string())
+        .replace("{table}", &table.name().to_string())
+        .replace("{expiry_index}", &format!("\"{}_expiry\"", table.name().as_str()))
+}
+
+/// Stored responses in PostgreSQL, in the table `<records>_responses` beside the record
+/// table `records`, written in the record's transaction.
+///
+/// Stand it behind `oncely::record::PgTransactionalLayer` on the same database: the layer's
+/// open transaction is lent to the handler (`Extension<PgTransaction>` in axum) and the
+/// response is written in it, so the business write, the stored response and the record
+/// commit together or not at all. Without that layer in the tiers, every request fails
+/// ([`Problem::StoreUnavailable`](crate::Problem::StoreUnavailable), logged): a response
+/// stored outside the record's transaction could outlive a rolled-back effect, or be lost
+/// after a committed one.
+#[derive(Clone)]
+pub struct PgResponses {
+    pool: Pool,
+    table: Table,
+    records: Table,
+    statements: Arc<Statements>,
+}
+
+struct Statements {
+    save: String,
+    load: String,
+    purge: String,
+}
+
+impl fmt::Debug for PgResponses {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgResponses")
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgResponses {
+    /// The stored responses of the record table `records`, on `pool`. [`ConfigError`] when
+    /// `<records>_responses` is longer than an identifier may be (63 bytes).
+    pub fn new(pool: Pool, records: &Table) -> Result<Self, ConfigError> {
+        let name = format!("{}_responses", records.name().as_str());
+        let table = Table::new(records.schema().as_str(), &name)?;
+        let statements = Statements {
+            save: format!(
+                "INSERT INTO {table} (message_key, status, headers, body, expires_at) \
+                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5)) \
+                 ON CONFLICT (message_key) DO UPDATE SET status = EXCLUDED.status, \
+                 headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = now(), \
+                 expires_at = EXCLUDED.expires_at"
+            ),
+            load: format!(
+                "SELECT status::int4, headers, body FROM {table} WHERE message_key = $1 AND expires_at > now()"
+            ),
+            // The record rows go with their responses, in one statement: a purged key is
+            // new again, never "processed, response gone" for ever.
+            purge: format!(
+                "WITH gone AS (DELETE FROM {table} WHERE message_key IN \
+                   (SELECT message_key FROM {table} WHERE expires_at <= now() \
+                    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING message_key) \
+                 DELETE FROM {records} WHERE message_key IN (SELECT message_key FROM gone) \
+                   AND status = 'SUCCESS'"
+            ),
+        };
+        Ok(PgResponses {
+            pool,
+            table,
+            records: records.clone(),
+            statements: Arc::new(statements),
+        })
+    }
+
+    /// Creates the table (and its schema) if it does not exist. Idempotent.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        migrate_script(&self.pool, &render(RESPONSES, &self.table)).await
+    }
+
+    /// The table the responses are kept in.
+    pub fn table(&self) -> &Table {
+        &self.table
+    }
+
+    /// Deletes up to `limit` expired responses, oldest first, with their keys' `SUCCESS`
+    /// record rows, so that those keys are new again; answers how many record rows went.
+    /// Safe while requests run (rows in use are skipped); call it until it answers 0.
+    pub async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
+        let client = self.pool.get().await.map_err(StoreError::new)?;
+        let purged = client
+            .execute(&self.statements.purge, &[&i64::from(limit)])
+            .await
+            .map_err(StoreError::new)?;
+        tracing::debug!(records = %self.records, purged, "purged expired responses");
+        Ok(purged)
+    }
+}
+
+impl ResponseStore for PgResponses {
+    fn lend(&self, envelope: &Envelope, extensions: &mut http::Extensions) {
+        if let Some(transaction) = envelope.extensions().get::<PgTransaction>() {
+            extensions.insert(transaction.clone());
+        }
+    }
+
+    async fn save(
+        &self,
+        envelope: &Envelope,
+        response: &StoredResponse,
+        expiry: Duration,
+    ) -> Result<(), StoreError> {
+        let Some(transaction) = envelope.extensions().get::<PgTransaction>() else {
+            return Err(StoreError::malformed(
+                "no record transaction to store the response in: put PgTransactionalLayer in the tiers",
+            ));
+        };
+        let status = i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX);
+        transaction
+            .execute(
+                &self.statements.save,
+                &[
+                    &envelope.key().as_str(),
+                    &status,
+                    &response.encode_headers(),
+                    &&response.body[..],
+                    &expiry.as_secs_f64(),
+                ],
+            )
+            .await
+            .map_err(StoreError::new)?;
+        Ok(())
+    }
+
+    async fn load(&self, key: &BusinessKey) -> Result<Option<StoredResponse>, StoreError> {
+        let client = self.pool.get().await.map_err(StoreError::new)?;
+        let row = client
+            .query_opt(&self.statements.load, &[&key.as_str()])
+            .await
+            .map_err(StoreError::new)?;
+        row.map(|row| {
+            let body: Vec<u8> = row.try_get(2).map_err(StoreError::new)?;
+            let headers: Vec<u8> = row.try_get(1).map_err(StoreError::new)?;
+            StoredResponse::decode(
+                row.try_get(0).map_err(StoreError::new)?,
+                &headers,
+                Bytes::from(body),
+            )
+        })
+        .transpose()
+    }
+}
+
+/// One-time tokens in the PostgreSQL table `table`: issued bound to a client, checked
+/// when a submit presents them. The submit's single run is the route's tiers' business
+/// (see [`TokenBook`]); this table says only who may present which token until when.
+#[derive(Clone)]
+pub struct PgTokens {
+    pool: Pool,
+    table: Table,
+    statements: Arc<TokenStatements>,
+}
+
+struct TokenStatements {
+    issue: String,
+    check: String,
+    purge: String,
+}
+
+impl fmt::Debug for PgTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTokens")
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgTokens {
+    /// Tokens in `table` on `pool`.
+    pub fn new(pool: Pool, table: Table) -> Self {
+        let statements = TokenStatements {
+            issue: format!(
+                "INSERT INTO {table} (token, client, expires_at) VALUES ($1, $2, now() + make_interval(secs => $3))"
+            ),
+            check: format!("SELECT client = $2, expires_at > now() FROM {table} WHERE token = $1"),
+            purge: format!(
+                "DELETE FROM {table} WHERE token IN (SELECT token FROM {table} WHERE expires_at <= now() - \
+                 make_interval(secs => $2) LIMIT $1)"
+            ),
+        };
+        PgTokens {
+            pool,
+            table,
+            statements: Arc::new(statements),
+        }
+    }
+
+    /// Creates the table (and its schema) if it does not exist. Idempotent.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        migrate_script(&self.pool, &render(TOKENS, &self.table)).await
+    }
+
+    /// Deletes up to `limit` tokens that expired more than `grace` ago; answers how many.
+    /// A purged token is unknown ([`TokenCheck::Unknown`]) rather than expired, so keep
+    /// `grace` as long as the route's stored responses are answered again.
+    pub async fn purge_expired(&self, limit: u32, grace: Duration) -> Result<u64, StoreError> {
+        let client = self.pool.get().await.map_err(StoreError::new)?;
+        client
+            .execute(&self.statements.purge, &[&i64::from(limit), &grace.as_secs_f64()])
+            .await
+            .map_err(StoreError::new)
+    }
+}
+
+impl TokenBook for PgTokens {
+    fn issue(&self, client: String, ttl: Duration) -> BoxFuture<Result<String, StoreError>> {
+        let tokens = self.clone();
+        Box::pin(async move {
+            let token = fresh_token();
+            let connection = tokens.pool.get().await.map_err(StoreError::new)?;
+            connection
+                .execute(&tokens.statements.issue, &[&token, &client, &ttl.as_secs_f64()])
+                .await
+                .map_err(StoreError::new)?;
+            Ok(token)
+        })
+    }
+
+    fn check(&self, token: String, client: String) -> BoxFuture<Result<TokenCheck, StoreError>> {
+        let tokens = self.clone();
+        Box::pin(async move {
+            let connection = tokens.pool.get().await.map_err(StoreError::new)?;
+            let row = connection
+                .query_opt(&tokens.statements.check, &[&token, &client])
+                .await
+                .map_err(StoreError::new)?;
+            let Some(row) = row else {
+                return Ok(TokenCheck::Unknown);
+            };
+            let (own, live): (bool, bool) = (
+                row.try_get(0).map_err(StoreError::new)?,
+                row.try_get(1).map_err(StoreError::new)?,
+            );
+            Ok(match (own, live) {
+                (false, _) => TokenCheck::Unknown,
+                (true, false) => TokenCheck::Expired,
+                (true, true) => TokenCheck::Valid,
+            })
+        })
+    }
+}

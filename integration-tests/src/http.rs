@@ -1,0 +1,266 @@
+//! HTTP for the tests and the bench: a shop's order endpoint on axum behind oncely-http's
+//! layer (the Redis flag in front of the transactional record), served on loopback, and what
+//! it wrote.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Extension, State};
+use axum::http::header::{CONTENT_TYPE, LOCATION};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use deadpool_postgres::Pool;
+use oncely::FingerprintPolicy;
+use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely_http::{IdempotencyLayer, PgResponses, PgTokens, TokenField, TokenIssuer};
+use tokio::task::JoinHandle;
+use tower::ServiceBuilder;
+
+use crate::postgres::{ScratchSchema, schema_pool};
+
+/// The header the shop's clients name their tenant in.
+pub const TENANT: &str = "x-tenant";
+
+/// Faults the order handler injects into its next runs, each after writing its effect, so a
+/// test sees whether that write was rolled back.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Runs that panic.
+    pub panics: AtomicU32,
+    /// Runs that sleep past the layer's timeout.
+    pub stalls: AtomicU32,
+    /// Runs that answer 503.
+    pub unavailable: AtomicU32,
+}
+
+impl Faults {
+    /// True, once per count left in `fault`.
+    fn take(fault: &AtomicU32) -> bool {
+        fault
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+            .is_ok()
+    }
+}
+
+/// The shop: its schema (the record, stored responses, tokens and `effects`), a pool on it,
+/// and the faults its handler injects.
+pub struct Shop {
+    /// The scratch schema, dropped with the shop.
+    pub schema: ScratchSchema,
+    /// A pool searching the schema first.
+    pub pool: Pool,
+    /// The handler's faults.
+    pub faults: Arc<Faults>,
+    /// The Redis flag's key prefix, the shop's own.
+    pub prefix: String,
+}
+
+/// How long the handler may run before the layer cuts it off.
+pub const HANDLER_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// The largest request body the shop accepts.
+pub const MAX_BODY: usize = 64 * 1024;
+
+impl Shop {
+    /// A shop in a schema of its own, with its tables migrated.
+    pub async fn new(pool_size: usize) -> Self {
+        let schema = ScratchSchema::new(&crate::postgres::pool(2)).await;
+        let pool = schema_pool(schema.name(), pool_size);
+        schema
+            .execute(
+                "CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, path TEXT NOT NULL, body TEXT NOT NULL)",
+            )
+            .await;
+        let shop = Shop {
+            schema,
+            pool,
+            faults: Arc::default(),
+            prefix: oncely::testing::unique("oncely-http-test"),
+        };
+        shop.responses().migrate().await.expect("migrate the responses");
+        shop.tokens().migrate().await.expect("migrate the tokens");
+        shop
+    }
+
+    /// The stored responses beside the record table.
+    pub fn responses(&self) -> PgResponses {
+        PgResponses::new(self.pool.clone(), &self.schema.records()).expect("a responses table name")
+    }
+
+    /// The one-time tokens.
+    pub fn tokens(&self) -> PgTokens {
+        PgTokens::new(self.pool.clone(), self.schema.table("form_tokens"))
+    }
+
+    /// The shop's app with its record on `pool` (this shop's, or one that fails) and its flag
+    /// on the Redis at `redis_url`: `POST /orders` and `POST /refunds` under an
+    /// `Idempotency-Key` scoped by tenant, `POST /forms/orders` under one-time tokens issued
+    /// by `POST /tokens`.
+    pub async fn app(&self, pool: Pool, redis_url: &str) -> Router {
+        let redis = crate::redis_connection(redis_url).await;
+        let flag = FlagLayer::new(
+            RedisFlagStore::new(redis).with_prefix(self.prefix.clone()),
+            Duration::from_secs(3600),
+        );
+        let tiers = ServiceBuilder::new()
+            .layer(flag)
+            .layer(PgTransactionalLayer::new(pool.clone(), self.schema.records()));
+        let responses = PgResponses::new(pool.clone(), &self.schema.records()).expect("a table name");
+        let tenant = |parts: &axum::http::request::Parts| {
+            let tenant = parts.headers.get(TENANT)?.to_str().ok()?;
+            Some(tenant.to_owned())
+        };
+        let keyed = IdempotencyLayer::new(tiers.clone(), responses.clone())
+            .with_client(tenant)
+            .with_max_body_len(MAX_BODY)
+            .with_timeout(HANDLER_TIMEOUT)
+            .with_stored_headers([CONTENT_TYPE, LOCATION]);
+        let tokens = PgTokens::new(pool, self.schema.table("form_tokens"));
+        let once = IdempotencyLayer::new(tiers, responses)
+            .with_client(tenant)
+            .with_one_time_tokens(tokens.clone(), TokenField::Form("_token".to_owned()))
+            .with_fingerprint(FingerprintPolicy::off());
+        let issuer = TokenIssuer::new(tokens, Duration::from_secs(600), tenant);
+        let keyed_routes = Router::new()
+            .route("/orders", post(create_order))
+            .route("/refunds", post(create_order))
+            .layer(keyed);
+        let token_routes = Router::new()
+            .route("/forms/orders", post(create_order))
+            .layer(once);
+        keyed_routes
+            .merge(token_routes)
+            .route_service("/tokens", issuer)
+            .with_state(self.faults.clone())
+    }
+
+    /// The number of effects written for `body` on `path`, or on any path when `None`.
+    pub async fn effects(&self) -> i64 {
+        self.schema.count("SELECT count(*) FROM effects").await
+    }
+}
+
+/// The order handler: writes one `effects` row in the record's transaction, then maybe a
+/// fault, then answers 201 with a fresh receipt id (so a replay, which answers the first
+/// receipt, is told from a second run).
+async fn create_order(
+    State(faults): State<Arc<Faults>>,
+    Extension(tx): Extension<PgTransaction>,
+    uri: axum::http::Uri,
+    body: Bytes,
+) -> Response {
+    let text = String::from_utf8_lossy(&body);
+    let written = tx
+        .execute(
+            "INSERT INTO effects (path, body) VALUES ($1, $2)",
+            &[&uri.path(), &text.as_ref()],
+        )
+        .await;
+    drop(tx);
+    if let Err(error) = written {
+        return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
+    }
+    if Faults::take(&faults.panics) {
+        panic!("the handler's injected panic");
+    }
+    if Faults::take(&faults.stalls) {
+        tokio::time::sleep(HANDLER_TIMEOUT * 4).await;
+    }
+    if Faults::take(&faults.unavailable) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "the warehouse is down").into_response();
+    }
+    let receipt = oncely::Token::random().to_string();
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, "application/json".parse().expect("a header value"));
+    headers.insert(
+        LOCATION,
+        format!("/orders/{receipt}").parse().expect("a header value"),
+    );
+    headers.insert("x-request-only", "first".parse().expect("a header value"));
+    let answer = serde_json::json!({ "receipt": receipt, "path": uri.path() });
+    (StatusCode::CREATED, headers, answer.to_string()).into_response()
+}
+
+/// A server on a free loopback port, stopped when dropped.
+pub struct TestServer {
+    address: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl TestServer {
+    /// Serves `app` on `127.0.0.1` at a free port.
+    pub async fn start(app: Router) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a free port");
+        let address = listener.local_addr().expect("the bound address");
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("the server runs");
+        });
+        TestServer { address, task }
+    }
+
+    /// `http://127.0.0.1:PORT` followed by `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.address)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A client that reuses connections, as a payment provider's or an app's would.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("an HTTP client")
+}
+
+/// A request's answer, read whole.
+#[derive(Debug)]
+pub struct Answer {
+    /// The status.
+    pub status: u16,
+    /// The headers.
+    pub headers: reqwest::header::HeaderMap,
+    /// The body, as text.
+    pub body: String,
+}
+
+impl Answer {
+    /// True when the answer is a stored response answered again.
+    pub fn is_replay(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|value| value == "true")
+    }
+
+    /// The body's `field`, as JSON.
+    pub fn json(&self, field: &str) -> serde_json::Value {
+        let document: serde_json::Value = serde_json::from_str(&self.body).unwrap_or_default();
+        document[field].clone()
+    }
+}
+
+/// Sends `request` and reads its answer.
+pub async fn send(request: reqwest::RequestBuilder) -> Answer {
+    let response = request.send().await.expect("the server answers");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.text().await.expect("a body");
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
