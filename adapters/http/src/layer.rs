@@ -59,6 +59,8 @@ enum KeySource {
         required: bool,
         max_len: usize,
     },
+    /// A field of the JSON body, such as a payment provider's transaction id.
+    Body(KeyExtractor),
     /// A one-time token, checked in its book.
     Token {
         book: Arc<dyn TokenBook>,
@@ -199,6 +201,17 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
         if let KeySource::Header { name, .. } = &mut self.config.key {
             *name = header;
         }
+        self
+    }
+
+    /// Reads the key from the JSON body at `pointer` (RFC 6901, e.g. `/transaction_id`)
+    /// instead of a header: for callers that cannot send a header, such as a payment
+    /// provider whose notifications carry their transaction id. A body that is not JSON, or
+    /// lacks the field, is refused ([`Problem::KeyMalformed`]); keys over
+    /// [`DEFAULT_MAX_KEY_LEN`] bytes too.
+    pub fn with_key_from_body(mut self, pointer: &str) -> Self {
+        let keys = KeyExtractor::json_pointer(pointer).with_max_len(DEFAULT_MAX_KEY_LEN);
+        self.config.key = KeySource::Body(keys);
         self
     }
 
@@ -430,6 +443,13 @@ where
                 None if *required => Err(Problem::KeyMissing),
                 None => Ok(KeyFound::None),
             },
+            KeySource::Body(keys) => {
+                let delivery = Delivery::new(Source::new(&*self.config.name), body.clone());
+                let key = keys
+                    .extract(&delivery)
+                    .map_err(|error| Problem::key_malformed(error.to_string()))?;
+                Ok(KeyFound::Run(key.as_str().to_owned()))
+            }
             KeySource::Token { book, field } => {
                 let token = field.read(&parts.headers, body)?;
                 match book.check(token.clone(), client.to_owned()).await {
