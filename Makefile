@@ -26,7 +26,8 @@ CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --
 
 ## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks, the
 ## README's first consumer (as the README runs it), `amqp-orders` with the record on MariaDB (it exits
-## non-zero if an order was applied twice) and the short chaos runs (RabbitMQ with the record
+## non-zero if an order was applied twice), the payment-callback driver (non-zero if an order was
+## credited twice or never) and the short chaos runs (RabbitMQ with the record
 ## per delivery and batched, the same two with the record on MariaDB, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
@@ -38,6 +39,7 @@ test: fmt lint doc services
 	  grep -c -e '^drained' -e '^ processed 100$$' -e '^ duplicates 30 ' -e '^ dead letters 1 (bad_body 1)$$' | grep -qx 4; \
 	$(CARGO) run -q -p amqp-orders --bin publisher -- 200; \
 	RECORD_STORE=mysql $(CARGO) run -q -p amqp-orders --bin consumer -- --drain; \
+	$(CARGO) run -q -p payment-callback --bin driver -- --serve; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --stack batched; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --store mysql; \
@@ -55,6 +57,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 	$(CARGO) check -q -p oncely --no-default-features --features postgres
 	$(CARGO) check -q -p oncely --no-default-features --features mysql
+	$(CARGO) check -q -p oncely-http --no-default-features --features mysql
 
 ## The docs as docs.rs builds them (every feature) and as a default build shows them: any
 ## rustdoc warning, such as a link to an item behind a feature, fails.

@@ -18,7 +18,7 @@ use deadpool_postgres::Pool;
 use oncely::FingerprintPolicy;
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
-use oncely_http::{IdempotencyLayer, PgResponses, PgTokens, TokenField, TokenIssuer};
+use oncely_http::{ClientScope, IdempotencyLayer, PgResponses, PgTokens, TokenField, TokenIssuer};
 use tokio::task::JoinHandle;
 use tower::ServiceBuilder;
 
@@ -33,11 +33,19 @@ pub const TENANT: &str = "x-tenant";
 pub struct Faults {
     /// Runs that panic.
     pub panics: AtomicU32,
-    /// Runs that sleep past the layer's timeout.
+    /// Runs whose statement sleeps past the layer's timeout (`pg_sleep`), holding their
+    /// transaction's rollback behind it unless the layer cancels it.
     pub stalls: AtomicU32,
+    /// Runs that take a while ([`SLOW_RUN`]) but finish.
+    pub slow: AtomicU32,
     /// Runs that answer 503.
     pub unavailable: AtomicU32,
+    /// Runs that answer 429.
+    pub throttled: AtomicU32,
 }
+
+/// How long a slow run takes.
+pub const SLOW_RUN: Duration = Duration::from_millis(700);
 
 impl Faults {
     /// True, once per count left in `fault`.
@@ -112,21 +120,15 @@ impl Shop {
             .layer(flag)
             .layer(PgTransactionalLayer::new(pool.clone(), self.schema.records()));
         let responses = PgResponses::new(pool.clone(), &self.schema.records()).expect("a table name");
-        let tenant = |parts: &axum::http::request::Parts| {
-            let tenant = parts.headers.get(TENANT)?.to_str().ok()?;
-            Some(tenant.to_owned())
-        };
-        let keyed = IdempotencyLayer::new(tiers.clone(), responses.clone())
-            .with_client(tenant)
+        let keyed = IdempotencyLayer::new(tiers.clone(), responses.clone(), ClientScope::header(TENANT))
             .with_max_body_len(MAX_BODY)
             .with_timeout(HANDLER_TIMEOUT)
             .with_stored_headers([CONTENT_TYPE, LOCATION]);
         let tokens = PgTokens::new(pool, self.schema.table("form_tokens"));
-        let once = IdempotencyLayer::new(tiers, responses)
-            .with_client(tenant)
+        let once = IdempotencyLayer::new(tiers, responses, ClientScope::header(TENANT))
             .with_one_time_tokens(tokens.clone(), TokenField::Form("_token".to_owned()))
             .with_fingerprint(FingerprintPolicy::off());
-        let issuer = TokenIssuer::new(tokens, Duration::from_secs(600), tenant);
+        let issuer = TokenIssuer::new(tokens, Duration::from_secs(600), ClientScope::header(TENANT));
         let keyed_routes = Router::new()
             .route("/orders", post(create_order))
             .route("/refunds", post(create_order))
@@ -140,15 +142,37 @@ impl Shop {
             .with_state(self.faults.clone())
     }
 
-    /// The number of effects written for `body` on `path`, or on any path when `None`.
+    /// `POST /orders` behind the layer with the transactional record alone, one
+    /// transaction per request, or `batched`: what the bench measures.
+    pub fn record_only_app(&self, batched: bool) -> Router {
+        let record = PgTransactionalLayer::new(self.pool.clone(), self.schema.records());
+        let responses = self.responses();
+        let clients = ClientScope::header(TENANT);
+        let orders = Router::new().route("/orders", post(create_order));
+        let orders = if batched {
+            orders.layer(IdempotencyLayer::new(record.batched(), responses, clients))
+        } else {
+            orders.layer(IdempotencyLayer::new(record, responses, clients))
+        };
+        orders.with_state(self.faults.clone())
+    }
+
+    /// The same order endpoint without the layer, writing its row on `pool` on its own
+    /// (autocommit): what the layer is measured against.
+    pub fn plain_app(&self) -> Router {
+        Router::new()
+            .route("/orders", post(create_order_without_layer))
+            .with_state(self.pool.clone())
+    }
+
+    /// The number of effects written.
     pub async fn effects(&self) -> i64 {
         self.schema.count("SELECT count(*) FROM effects").await
     }
 }
 
 /// The order handler: writes one `effects` row in the record's transaction, then maybe a
-/// fault, then answers 201 with a fresh receipt id (so a replay, which answers the first
-/// receipt, is told from a second run).
+/// fault, then answers [`created`].
 async fn create_order(
     State(faults): State<Arc<Faults>>,
     Extension(tx): Extension<PgTransaction>,
@@ -156,25 +180,50 @@ async fn create_order(
     body: Bytes,
 ) -> Response {
     let text = String::from_utf8_lossy(&body);
-    let written = tx
-        .execute(
-            "INSERT INTO effects (path, body) VALUES ($1, $2)",
-            &[&uri.path(), &text.as_ref()],
-        )
-        .await;
-    drop(tx);
-    if let Err(error) = written {
+    let insert = "INSERT INTO effects (path, body) VALUES ($1, $2)";
+    if let Err(error) = tx.execute(insert, &[&uri.path(), &text.as_ref()]).await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
     }
+    if Faults::take(&faults.stalls) {
+        let stall = (HANDLER_TIMEOUT * 4).as_secs_f64();
+        let _ = tx.execute("SELECT pg_sleep($1)", &[&stall]).await;
+    }
+    drop(tx);
     if Faults::take(&faults.panics) {
         panic!("the handler's injected panic");
     }
-    if Faults::take(&faults.stalls) {
-        tokio::time::sleep(HANDLER_TIMEOUT * 4).await;
+    if Faults::take(&faults.slow) {
+        tokio::time::sleep(SLOW_RUN).await;
     }
     if Faults::take(&faults.unavailable) {
         return (StatusCode::SERVICE_UNAVAILABLE, "the warehouse is down").into_response();
     }
+    if Faults::take(&faults.throttled) {
+        return (StatusCode::TOO_MANY_REQUESTS, "slow down").into_response();
+    }
+    created(&uri)
+}
+
+/// The order handler without the layer: the same row, written on its own.
+async fn create_order_without_layer(State(pool): State<Pool>, uri: axum::http::Uri, body: Bytes) -> Response {
+    let text = String::from_utf8_lossy(&body);
+    let written = async {
+        let client = pool.get().await.map_err(|error| error.to_string())?;
+        let insert = "INSERT INTO effects (path, body) VALUES ($1, $2)";
+        client
+            .execute(insert, &[&uri.path(), &text.as_ref()])
+            .await
+            .map_err(|error| error.to_string())
+    };
+    match written.await {
+        Ok(_) => created(&uri),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+    }
+}
+
+/// The order endpoint's answer: 201 with a fresh receipt id (so a replay, which answers the
+/// first receipt, is told from a second run).
+fn created(uri: &axum::http::Uri) -> Response {
     let receipt = oncely::Token::random().to_string();
     let mut headers = HeaderMap::new();
     headers.insert(CONTENT_TYPE, "application/json".parse().expect("a header value"));

@@ -374,3 +374,32 @@ async fn a_commit_the_server_refuses_is_retried_and_its_connection_reused() {
         assert_eq!(route.handle(order("o-once")).await, Outcome::Processed);
     }
 }
+
+#[tokio::test]
+async fn a_handler_that_fails_and_keeps_its_transaction_cannot_write_with_it_later() {
+    for mode in RecordMode::ALL {
+        let (schema, pool) = stock_schema(2).await;
+        let kept: Arc<std::sync::Mutex<Option<PgTransaction>>> = Arc::default();
+        let keeper = kept.clone();
+        let route = transactional(mode, &pool, &schema, move |envelope: Envelope| {
+            let keeper = keeper.clone();
+            async move {
+                // E.g. a task it spawned, still running when the handler gave up.
+                *keeper.lock().unwrap() = Some(the_transaction(&envelope));
+                Err::<(), HandlerError>(HandlerError::transient("the warehouse did not answer"))
+            }
+        });
+        handled_as_failed_with_nothing_committed(&route, &schema, "o-1", "failed").await;
+        let late = kept.lock().unwrap().take().expect("the kept transaction");
+        let written = late
+            .client()
+            .execute("INSERT INTO stock_moves (order_id) VALUES ('o-1')", &[])
+            .await;
+        assert!(
+            written.is_err(),
+            "{mode:?}: the kept handle wrote after the rollback"
+        );
+        drop(late);
+        assert_eq!(moves_of(&schema, "o-1").await, 0, "{mode:?}");
+    }
+}

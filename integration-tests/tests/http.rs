@@ -1,8 +1,10 @@
 //! oncely-http against a real server on loopback, a real HTTP client, Redis and PostgreSQL:
 //! what a client gets for every kind of request, and what was written.
 
+use std::time::Duration;
+
 use futures_lite::future::try_zip;
-use integration_tests::http::{Answer, MAX_BODY, Shop, TENANT, TestServer, client, send};
+use integration_tests::http::{Answer, MAX_BODY, SLOW_RUN, Shop, TENANT, TestServer, client, send};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::redis_url;
 
@@ -32,6 +34,18 @@ fn post(
         Some(key) => request.header("idempotency-key", key),
         None => request,
     }
+}
+
+/// The answers to 64 concurrent copies of one order under `key`.
+async fn sixty_four_copies(server: &TestServer, key: &str) -> Vec<Answer> {
+    let copies: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(send(post(server, "/orders", "acme", Some(key), ORDER))))
+        .collect();
+    let mut answers = Vec::new();
+    for copy in copies {
+        answers.push(copy.await.expect("the request task"));
+    }
+    answers
 }
 
 fn problem_type(answer: &Answer) -> String {
@@ -149,11 +163,7 @@ async fn a_key_reused_for_another_request_is_refused_with_422() {
 #[tokio::test]
 async fn sixty_four_concurrent_copies_apply_once() {
     let (shop, server) = shop_server().await;
-    let copies = (0..64).map(|_| tokio::spawn(send(post(&server, "/orders", "acme", Some("k-64"), ORDER))));
-    let mut answers = Vec::new();
-    for copy in copies {
-        answers.push(copy.await.expect("the request task"));
-    }
+    let answers = sixty_four_copies(&server, "k-64").await;
     let ran: Vec<_> = answers
         .iter()
         .filter(|a| a.status == 201 && !a.is_replay())
@@ -207,11 +217,7 @@ async fn with_redis_down_the_record_still_decides() {
     let mut redis = ScratchRedis::start();
     let server = TestServer::start(shop.app(shop.pool.clone(), &redis.url()).await).await;
     redis.kill();
-    let copies = (0..64).map(|_| tokio::spawn(send(post(&server, "/orders", "acme", Some("k"), ORDER))));
-    let mut answers = Vec::new();
-    for copy in copies {
-        answers.push(copy.await.expect("the request task"));
-    }
+    let answers = sixty_four_copies(&server, "k").await;
     // The flag fails open; the record's row serialises the copies: the rest wait for the
     // first's commit and get its response.
     assert!(answers.iter().all(|answer| answer.status == 201), "{answers:?}");
@@ -233,8 +239,11 @@ async fn a_handler_that_panics_times_out_or_answers_5xx_commits_nothing() {
     let retried = send(post(&server, "/orders", "acme", Some("p"), ORDER)).await;
     assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
 
+    // Its statement still runs when the timeout cuts it off: cancelled, not waited for (the
+    // statement sleeps 6 s; the answer must come before the client gives up at 5 s).
     faults.stalls.store(1, std::sync::atomic::Ordering::SeqCst);
-    let stalled = send(post(&server, "/orders", "acme", Some("t"), ORDER)).await;
+    let stalled = post(&server, "/orders", "acme", Some("t"), ORDER).timeout(Duration::from_secs(5));
+    let stalled = send(stalled).await;
     assert_eq!(
         (stalled.status, problem_type(&stalled).as_str()),
         (500, "HandlerFailed")
@@ -255,9 +264,19 @@ async fn a_handler_that_panics_times_out_or_answers_5xx_commits_nothing() {
         (201, false),
         "a 5xx answer was stored"
     );
+
+    faults.throttled.store(1, std::sync::atomic::Ordering::SeqCst);
+    let throttled = send(post(&server, "/orders", "acme", Some("r"), ORDER)).await;
+    assert_eq!(throttled.status, 429);
+    let retried = send(post(&server, "/orders", "acme", Some("r"), ORDER)).await;
+    assert_eq!(
+        (retried.status, retried.is_replay()),
+        (201, false),
+        "a 429 was stored"
+    );
     assert_eq!(
         shop.effects().await,
-        3,
+        4,
         "one effect per key, none from the failed runs"
     );
 }
@@ -361,4 +380,208 @@ async fn a_one_time_token_lets_one_submit_through() {
         .await;
     assert!(send(submit(&server, "acme", &token)).await.is_replay());
     assert_eq!(shop.effects().await, 1);
+}
+
+#[tokio::test]
+async fn the_query_is_part_of_the_request_and_safe_methods_need_no_key() {
+    let (shop, server) = shop_server().await;
+    let dry_run = send(post(&server, "/orders?dry_run=true", "acme", Some("q"), ORDER)).await;
+    assert_eq!(dry_run.status, 201);
+    let real = send(post(&server, "/orders", "acme", Some("q"), ORDER)).await;
+    assert_eq!((real.status, problem_type(&real).as_str()), (422, "KeyReused"));
+    // The route has no GET: axum's own 405, not the layer's 400 for a missing key.
+    let get = send(client().get(server.url("/orders")).header(TENANT, "acme")).await;
+    assert_eq!(get.status, 405, "{get:?}");
+    assert_eq!(shop.effects().await, 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_does_not_cut_the_run_off() {
+    let (shop, server) = shop_server().await;
+    shop.faults.slow.store(1, std::sync::atomic::Ordering::SeqCst);
+    let impatient = post(&server, "/orders", "acme", Some("h"), ORDER).timeout(SLOW_RUN / 4);
+    assert!(impatient.send().await.is_err(), "the client was meant to give up");
+    tokio::time::sleep(SLOW_RUN * 2).await;
+    let retried = send(post(&server, "/orders", "acme", Some("h"), ORDER)).await;
+    assert!(
+        retried.is_replay(),
+        "the run was cut off or left its key blocked: {retried:?}"
+    );
+    assert_eq!(shop.effects().await, 1);
+}
+
+#[tokio::test]
+async fn an_expired_response_is_gone_until_purged_then_the_key_is_new() {
+    let (shop, server) = shop_server().await;
+    let first = send(post(&server, "/orders", "acme", Some("e"), ORDER)).await;
+    assert_eq!(first.status, 201);
+    shop.schema
+        .execute("UPDATE consumption_record_responses SET expires_at = now() - interval '1 second'")
+        .await;
+    let gone = send(post(&server, "/orders", "acme", Some("e"), ORDER)).await;
+    assert_eq!((gone.status, problem_type(&gone).as_str()), (410, "ResponseGone"));
+    assert_eq!(shop.responses().purge_expired(100).await.expect("purge"), 1);
+    assert_eq!(shop.responses().purge_expired(100).await.expect("purge"), 0);
+    // The flag still remembers the key for its retry window; a fresh one (as after it
+    // expired) leaves the record to decide, which no longer knows the key.
+    let fresh = integration_tests::redis_server::ScratchRedis::start();
+    let later = TestServer::start(shop.app(shop.pool.clone(), &fresh.url()).await).await;
+    let again = send(post(&later, "/orders", "acme", Some("e"), ORDER)).await;
+    assert_eq!((again.status, again.is_replay()), (201, false), "{again:?}");
+    assert_eq!(shop.effects().await, 2);
+}
+
+/// The order endpoint with the record and the stored responses on MariaDB: the effect row,
+/// the response and the record in one XA transaction; the flag on Redis; a panic on the
+/// first run when `panics` says so. Answers the server and its database.
+async fn mariadb_shop(panics: u32) -> (integration_tests::mysql::StockDatabase, TestServer) {
+    use axum::extract::Extension;
+    use oncely::mysql::sqlx;
+    use oncely::record::{MysqlTransaction, MysqlTransactionalLayer};
+    use oncely_http::{ClientScope, IdempotencyLayer, MysqlResponses};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    let database = integration_tests::mysql::StockDatabase::new().await;
+    sqlx::raw_sql(
+        "CREATE TABLE effects (id BIGINT AUTO_INCREMENT PRIMARY KEY, body TEXT NOT NULL) ENGINE = InnoDB",
+    )
+    .execute(&database.pool)
+    .await
+    .expect("the effects table");
+    let pool = database.pool(70).await;
+    let records = integration_tests::mysql::StockDatabase::records();
+    let responses = MysqlResponses::new(pool.clone(), &records).expect("a table name");
+    responses.migrate().await.expect("migrate the responses");
+    let flag = oncely::flag::FlagLayer::new(
+        oncely::flag::RedisFlagStore::new(integration_tests::redis_connection(&redis_url()).await)
+            .with_prefix(oncely::testing::unique("oncely-http-mariadb")),
+        Duration::from_secs(3600),
+    );
+    let tiers = tower::ServiceBuilder::new()
+        .layer(flag)
+        .layer(MysqlTransactionalLayer::new(pool, records));
+    let layer = IdempotencyLayer::new(tiers, responses, ClientScope::header(TENANT));
+    let panics = Arc::new(AtomicU32::new(panics));
+    let handler = move |Extension(tx): Extension<MysqlTransaction>, body: String| {
+        let panics = panics.clone();
+        async move {
+            sqlx::query("INSERT INTO effects (body) VALUES (?)")
+                .bind(&body)
+                .execute(&tx)
+                .await
+                .expect("the effect");
+            drop(tx);
+            if panics
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
+                .is_ok()
+            {
+                panic!("the handler's injected panic");
+            }
+            (
+                axum::http::StatusCode::CREATED,
+                oncely::Token::random().to_string(),
+            )
+        }
+    };
+    let app = axum::Router::new()
+        .route("/orders", axum::routing::post(handler))
+        .layer(layer);
+    (database, TestServer::start(app).await)
+}
+
+async fn mariadb_effects(database: &integration_tests::mysql::StockDatabase) -> i64 {
+    oncely::mysql::sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&database.pool)
+        .await
+        .expect("count the effects")
+}
+
+#[tokio::test]
+async fn on_mariadb_a_key_runs_once_among_64_copies_and_is_answered_again() {
+    let (database, server) = mariadb_shop(0).await;
+    let answers = sixty_four_copies(&server, "k").await;
+    let ran: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == 201 && !a.is_replay())
+        .collect();
+    assert_eq!(ran.len(), 1, "{answers:?}");
+    assert!(
+        answers.iter().all(|a| a.status == 409 || a.body == ran[0].body),
+        "{answers:?}"
+    );
+    let again = send(post(&server, "/orders", "acme", Some("k"), ORDER)).await;
+    assert!(again.is_replay(), "{again:?}");
+    assert_eq!(again.body, ran[0].body);
+    let other = send(post(
+        &server,
+        "/orders",
+        "acme",
+        Some("k"),
+        r#"{"sku":"tea","quantity":3}"#,
+    ))
+    .await;
+    assert_eq!(other.status, 422);
+    assert_eq!(mariadb_effects(&database).await, 1);
+}
+
+#[tokio::test]
+async fn on_mariadb_a_handler_that_panics_commits_nothing_and_the_retry_runs() {
+    let (database, server) = mariadb_shop(1).await;
+    let panicked = send(post(&server, "/orders", "acme", Some("p"), ORDER)).await;
+    assert_eq!(
+        (panicked.status, problem_type(&panicked).as_str()),
+        (500, "HandlerFailed")
+    );
+    assert_eq!(
+        mariadb_effects(&database).await,
+        0,
+        "the panicking run's write was committed"
+    );
+    let retried = send(post(&server, "/orders", "acme", Some("p"), ORDER)).await;
+    assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
+    assert_eq!(mariadb_effects(&database).await, 1);
+}
+
+#[tokio::test]
+async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batch() {
+    let shop = Shop::new(16).await;
+    let server = TestServer::start(shop.record_only_app(true)).await;
+    let answers = sixty_four_copies(&server, "k").await;
+    // No flag in front: the copies meet in the record, in one batch or after it.
+    assert!(answers.iter().all(|answer| answer.status == 201), "{answers:?}");
+    assert_eq!(answers.iter().filter(|answer| !answer.is_replay()).count(), 1);
+    assert_eq!(shop.effects().await, 1);
+
+    // One request panics, another answers 503, while 30 others run beside them.
+    shop.faults.panics.store(1, std::sync::atomic::Ordering::SeqCst);
+    shop.faults
+        .unavailable
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let keys: Vec<String> = (0..32).map(|i| format!("b-{i}")).collect();
+    let requests = keys.iter().map(|key| {
+        let request = post(&server, "/orders", "acme", None, ORDER).header("idempotency-key", key.as_str());
+        tokio::spawn(send(request))
+    });
+    let mut failed = Vec::new();
+    for (key, request) in keys.iter().zip(requests) {
+        let answer = request.await.expect("the request task");
+        match answer.status {
+            201 => assert!(!answer.is_replay(), "{key}: {answer:?}"),
+            500 | 503 => failed.push(key.clone()),
+            _ => panic!("{key}: {answer:?}"),
+        }
+    }
+    assert_eq!(failed.len(), 2, "one panic and one 503");
+    assert_eq!(
+        shop.effects().await,
+        1 + 30,
+        "the failed requests' writes were committed"
+    );
+    for key in failed {
+        let retried =
+            send(post(&server, "/orders", "acme", None, ORDER).header("idempotency-key", key)).await;
+        assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
+    }
+    assert_eq!(shop.effects().await, 1 + 32);
 }

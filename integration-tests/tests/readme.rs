@@ -7,17 +7,39 @@ fn read(path: &str) -> String {
     std::fs::read_to_string(root.join(path)).unwrap_or_else(|error| panic!("{path}: {error}"))
 }
 
-#[test]
-fn the_first_consumer_in_the_readme_is_the_example_ci_builds_and_runs() {
-    let readme = read("README.md");
-    let marker = "<!-- first-consumer:";
-    let after_marker = &readme[readme.find(marker).expect("the first-consumer marker")..];
+/// The first Rust block of the README after `marker`.
+fn rust_block_after(readme: &str, marker: &str) -> String {
+    let after_marker = &readme[readme
+        .find(marker)
+        .unwrap_or_else(|| panic!("the marker {marker}"))..];
     let block_start = after_marker
         .find("```rust\n")
         .expect("a rust block after the marker")
         + "```rust\n".len();
     let block = &after_marker[block_start..];
-    let shown = &block[..block.find("\n```").expect("the block's end")];
+    block[..block.find("\n```").expect("the block's end")].to_owned()
+}
+
+#[test]
+fn the_http_example_in_the_readme_is_the_one_ci_builds() {
+    let shown = rust_block_after(&read("README.md"), "<!-- http-orders:");
+    let example = read("examples/payment-callback/src/orders.rs");
+    let begin = example.find("// README: begin\n").expect("the begin marker") + "// README: begin\n".len();
+    let end = example.find("// README: end").expect("the end marker");
+    assert_eq!(
+        shown,
+        example[begin..end].trim_end(),
+        "README's HTTP example differs"
+    );
+    assert!(
+        shown.lines().count() <= 15,
+        "the README's HTTP example is over 15 lines"
+    );
+}
+
+#[test]
+fn the_first_consumer_in_the_readme_is_the_example_ci_builds_and_runs() {
+    let shown = rust_block_after(&read("README.md"), "<!-- first-consumer:");
 
     let example = read("examples/first-consumer/src/main.rs");
     let code = &example[example

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::request::Parts;
-use http::{HeaderName, Request, Response};
+use http::{HeaderName, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use oncely::record::TransactionSafe;
@@ -28,6 +28,9 @@ use crate::response::{ResponseStore, StoredResponse};
 #[derive(Debug)]
 pub(crate) struct Exchange {
     parts: Mutex<Option<Parts>>,
+    /// Set when the request may be answered by the tiers (in flight, done) but must not
+    /// run: an expired one-time token.
+    refusal: Option<Problem>,
     reply: Mutex<Option<Reply>>,
 }
 
@@ -37,8 +40,9 @@ pub(crate) enum Reply {
     /// The handler's response, stored; answered only if the stack then answers processed
     /// (its transaction committed).
     Completed(Response<Full<Bytes>>),
-    /// The handler's own 5xx response, passed on as it is: not stored, nothing committed.
-    ServerError(Response<Full<Bytes>>),
+    /// The handler's own answer that the client may retry (5xx, 408, 425, 429), passed on
+    /// as it is: not stored, nothing committed.
+    Retryable(Response<Full<Bytes>>),
     /// The run failed in a way the client is told with this problem.
     Problem(Problem),
 }
@@ -48,9 +52,10 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Exchange {
-    pub(crate) fn new(parts: Parts) -> Arc<Self> {
+    pub(crate) fn new(parts: Parts, refusal: Option<Problem>) -> Arc<Self> {
         Arc::new(Exchange {
             parts: Mutex::new(Some(parts)),
+            refusal,
             reply: Mutex::new(None),
         })
     }
@@ -79,11 +84,12 @@ pub(crate) struct RunSettings {
 /// Per request it runs the service on the request (with the record's open transaction in
 /// the request's extensions, where the store lends it), catching a panic and cutting the run
 /// off at the layer's timeout. Then:
-/// - a response under 500 is stored (in the record's transaction, with PostgreSQL) and
+/// - any other response is stored (in the record's transaction, with PostgreSQL) and
 ///   answers [`Outcome::Processed`], so the tiers in front commit and mark the key done;
-/// - a 5xx response, an error, a panic, a timeout, or a response larger than the stored
-///   maximum answers [`Outcome::RetryLater`], so the tiers roll back and release the key:
-///   nothing was committed, and the client's retry with the same key runs the handler again.
+/// - a response the client may retry (5xx, 408, 425, 429), an error, a panic, a timeout,
+///   or a response larger than the stored maximum answers [`Outcome::RetryLater`], so the
+///   tiers roll back and release the key: nothing was committed, and the client's retry
+///   with the same key runs the handler again.
 ///
 /// It writes nothing outside the record's transaction, so it may stand behind the
 /// transactional record ([`TransactionSafe`]).
@@ -128,8 +134,7 @@ where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
     S::Error: Into<BoxError> + Send,
     S::Future: Send,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     R: ResponseStore,
 {
     type Response = Outcome;
@@ -152,8 +157,7 @@ where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
     S::Error: Into<BoxError> + Send,
     S::Future: Send,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
     R: ResponseStore,
 {
     /// Runs the user's service on the envelope's request and leaves the answer in its
@@ -168,14 +172,19 @@ where
             return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
         };
         let exchange = exchange.unwrap_or_else(|| unreachable!("the parts came from it"));
+        if let Some(refusal) = &exchange.refusal {
+            exchange.answer(Reply::Problem(refusal.clone()));
+            let detail = format!("refused before it ran: {}", refusal.detail());
+            return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
+        }
         self.responses.lend(&envelope, &mut parts.extensions);
         let request = Request::from_parts(parts, Full::new(envelope.delivery().body().clone()));
-        let (reply, outcome) = match self.respond(request).await {
+        let (reply, outcome) = match self.respond(&envelope, request).await {
             Err(failed) => (Reply::Problem(failed.problem), failed.outcome),
-            Ok(response) if response.status().is_server_error() => {
+            Ok(response) if may_retry(response.status()) => {
                 let detail = format!("the handler answered {}", response.status());
                 let outcome = Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
-                (Reply::ServerError(response), outcome)
+                (Reply::Retryable(response), outcome)
             }
             Ok(response) => match self.store(&envelope, &response).await {
                 Ok(()) => (Reply::Completed(response), Outcome::Processed),
@@ -188,7 +197,11 @@ where
 
     /// The user's response, read whole; a failed, panicked or timed-out run, or a response
     /// over the stored maximum, as the outcome that rolls the tiers back.
-    async fn respond(&self, request: Request<Full<Bytes>>) -> Result<Response<Full<Bytes>>, Failed> {
+    async fn respond(
+        &self,
+        envelope: &Envelope,
+        request: Request<Full<Bytes>>,
+    ) -> Result<Response<Full<Bytes>>, Failed> {
         let mut inner = self.inner.clone();
         let run = async move {
             poll_fn(|cx| inner.poll_ready(cx)).await?;
@@ -197,9 +210,16 @@ where
         let run = AssertUnwindSafe(run).catch_unwind();
         let answered = match self.settings.timeout {
             None => run.await,
-            Some(limit) => tokio::time::timeout(limit, run).await.map_err(|_| {
-                Failed::handler_detail(format!("the handler did not answer within {limit:?}"))
-            })?,
+            Some(limit) => match tokio::time::timeout(limit, run).await {
+                Ok(answered) => answered,
+                Err(_) => {
+                    // Dropping the run does not stop a statement it already sent, which
+                    // would hold the transaction's rollback behind it (a lock wait, say).
+                    self.responses.interrupt(envelope).await;
+                    let detail = format!("the handler did not answer within {limit:?}");
+                    return Err(Failed::handler_detail(detail));
+                }
+            },
         };
         let response = match answered {
             Ok(Ok(response)) => response,
@@ -256,6 +276,16 @@ where
             }
         })
     }
+}
+
+/// True for a response the client may retry, which is therefore not the key's result: a
+/// server error, or 408 (timeout), 425 (too early), 429 (too many requests).
+fn may_retry(status: StatusCode) -> bool {
+    status.is_server_error()
+        || matches!(
+            status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_EARLY | StatusCode::TOO_MANY_REQUESTS
+        )
 }
 
 /// A run that committed nothing: the outcome the tiers settle by, the problem the client is

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderName};
 use http::request::Parts;
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
 use oncely::{
@@ -20,6 +20,7 @@ use oncely::{
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::client::ClientScope;
 use crate::handler::{Exchange, HttpHandler, Reply, RunSettings};
 use crate::key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, read_key, scoped};
 use crate::problem::Problem;
@@ -32,23 +33,6 @@ pub const DEFAULT_MAX_RESPONSE_LEN: usize = 1024 * 1024;
 /// How long a stored response is kept unless configured otherwise: 24 hours, Stripe's
 /// window.
 pub const DEFAULT_EXPIRY: Duration = Duration::from_secs(24 * 3600);
-
-/// Reads which client sent a request from its parts.
-type ReadClient = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-
-/// Tells which client sent a request: a tenant, an API key, an authenticated principal.
-#[derive(Clone)]
-pub(crate) struct ClientIdentity(Arc<ReadClient>);
-
-impl ClientIdentity {
-    pub(crate) fn new(of: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        ClientIdentity(Arc::new(of))
-    }
-
-    pub(crate) fn of(&self, parts: &Parts) -> Option<String> {
-        (self.0)(parts)
-    }
-}
 
 /// Where a request's key comes from.
 #[derive(Clone)]
@@ -74,8 +58,9 @@ enum KeyFound {
     Run(String),
     /// The route's key is optional and the request has none: run it as it is.
     None,
-    /// An expired token: answer its stored response if it ran, refuse it otherwise.
-    ReplayOnly(String),
+    /// An expired token: run through the tiers, so that a submit in flight or done is
+    /// answered as such, but refused where it would run.
+    Expired(String),
 }
 
 /// Settings shared by the layer and every service it makes.
@@ -83,7 +68,7 @@ enum KeyFound {
 struct Config {
     name: Arc<str>,
     key: KeySource,
-    client: Option<ClientIdentity>,
+    client: ClientScope,
     fingerprint: FingerprintPolicy,
     max_body_len: usize,
     settings: RunSettings,
@@ -93,7 +78,7 @@ struct Config {
 /// draft-ietf-httpapi-idempotency-key-header-07.
 ///
 /// Per request: the `Idempotency-Key` header is read ([`Problem::KeyMissing`],
-/// [`Problem::KeyMalformed`]) and scoped by the client ([`with_client`](Self::with_client)),
+/// [`Problem::KeyMalformed`]) and scoped by the client ([`ClientScope`]),
 /// the body read up to its limit ([`Problem::BodyTooLarge`]), and the request runs as one
 /// delivery through `tiers` — e.g. the Redis flag in front of the transactional record —
 /// with the user's service at the bottom ([`HttpHandler`]). The fingerprint covers the
@@ -106,15 +91,15 @@ struct Config {
 /// | duplicate | the stored response again, with `Idempotent-Replayed: true`; [`Problem::ResponseGone`] once it expired |
 /// | the key in flight elsewhere | 409 [`Problem::KeyInFlight`] with `Retry-After` |
 /// | another payload under the key | 422 [`Problem::KeyReused`] |
-/// | a store that must decide is down | 503 [`Problem::StoreUnavailable`] with `Retry-After`: nothing ran |
-/// | the handler answered 5xx | its response, not stored; nothing committed |
+/// | a store that must decide is down | 503 [`Problem::StoreUnavailable`] with `Retry-After`; the retry's answer says whether it ran |
+/// | the handler answered 5xx, 408, 425 or 429 | its response, not stored; nothing committed |
 /// | the handler failed, panicked or [timed out](Self::with_timeout) | 500 [`Problem::HandlerFailed`]; nothing committed |
 ///
 /// "Nothing committed" holds for what the handler writes in the record's transaction: with
 /// [`PgResponses`](crate::PgResponses) behind `oncely::record::PgTransactionalLayer`, the
 /// handler finds that transaction in its request's extensions (axum:
 /// `Extension<PgTransaction>`), and the business write, the stored response and the record
-/// commit together or not at all. A 2xx–4xx answer is the key's result: it is stored and
+/// commit together or not at all. Any other answer is the key's result: it is stored and
 /// committed with whatever the handler wrote. A write the handler makes elsewhere is its
 /// own to make idempotent.
 ///
@@ -137,15 +122,16 @@ impl<T, R> fmt::Debug for IdempotencyLayer<T, R> {
 
 impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
     /// Requests through `tiers` (a `tower::Layer` over [`HttpHandler`], such as a
-    /// `ServiceBuilder` of oncely's tier layers), their responses kept in `responses`.
+    /// `ServiceBuilder` of oncely's tier layers), their responses kept in `responses`, their
+    /// keys scoped by `clients`.
     ///
-    /// Defaults: the `Idempotency-Key` header, required, at most [`DEFAULT_MAX_KEY_LEN`]
-    /// bytes; every client in one scope (see [`with_client`](Self::with_client)); the
-    /// fingerprint over method, path and whole body; bodies up to
+    /// Defaults: the `Idempotency-Key` header, required on every method but `GET`, `HEAD`,
+    /// `OPTIONS` and `TRACE` (which pass through), at most [`DEFAULT_MAX_KEY_LEN`] bytes; the
+    /// fingerprint over method, path with query, and whole body; bodies up to
     /// [`oncely::DEFAULT_MAX_BODY_LEN`]; stored responses up to
     /// [`DEFAULT_MAX_RESPONSE_LEN`], with their `Content-Type`, kept [`DEFAULT_EXPIRY`]; no
     /// timeout; the route named `http` in metrics and logs.
-    pub fn new(tiers: T, responses: R) -> Self {
+    pub fn new(tiers: T, responses: R, clients: ClientScope) -> Self {
         IdempotencyLayer {
             tiers,
             responses,
@@ -156,7 +142,7 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
                     required: true,
                     max_len: DEFAULT_MAX_KEY_LEN,
                 },
-                client: None,
+                client: clients,
                 fingerprint: FingerprintPolicy::whole_body(),
                 max_body_len: DEFAULT_MAX_BODY_LEN,
                 settings: RunSettings {
@@ -175,19 +161,10 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
         self
     }
 
-    /// Scopes keys by the client `client` reads from the request (a tenant header, an API
-    /// key, an authenticated principal an earlier layer put in the extensions), so one
-    /// client never sees another's response. A request it answers `None` for is refused
-    /// with [`Problem::ClientUnidentified`]. Without it every client shares one scope: fit
-    /// for a single caller, such as a payment provider's callbacks.
-    pub fn with_client(mut self, client: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.config.client = Some(ClientIdentity::new(client));
-        self
-    }
-
-    /// Lets requests without a key through, run as they are, without the tiers: for an
-    /// endpoint whose clients may opt in. A handler that takes the record's transaction
-    /// then finds none.
+    /// Lets requests without a key through, run on the handler as they are, without the
+    /// tiers and without asking who sent them: for an endpoint whose clients may opt in. The
+    /// body is still read whole first, up to [`with_max_body_len`](Self::with_max_body_len).
+    /// A handler that takes the record's transaction then finds none.
     pub fn optional(mut self) -> Self {
         if let KeySource::Header { required, .. } = &mut self.config.key {
             *required = false;
@@ -353,9 +330,11 @@ where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
     S::Error: Into<BoxError> + Send,
     S::Future: Send,
-    St: Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
-    St::Error: Into<BoxError>,
-    St::Future: Send,
+    St: Service<Envelope, Response = Outcome, Error: Into<BoxError>, Future: Send>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
     R: ResponseStore,
     ReqBody: Body + Send + 'static,
     ReqBody::Data: Send,
@@ -387,9 +366,11 @@ where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + Sync + 'static,
     S::Error: Into<BoxError> + Send,
     S::Future: Send,
-    St: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
-    St::Error: Into<BoxError>,
-    St::Future: Send,
+    St: Service<Envelope, Response = Outcome, Error: Into<BoxError>, Future: Send>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
     R: ResponseStore,
 {
     /// The response to `request`: the handler's, a stored one, or the problem that stopped it.
@@ -399,34 +380,39 @@ where
         B::Error: Into<BoxError>,
     {
         let (parts, body) = request.into_parts();
-        let client = match &self.config.client {
-            None => String::new(),
-            Some(identity) => identity.of(&parts).ok_or(Problem::ClientUnidentified)?,
-        };
         let body = read_body(body, self.config.max_body_len).await?;
-        let key = match self.find_key(&parts, &body, &client).await? {
-            KeyFound::Run(key) => key,
+        if is_safe(&parts.method) {
+            return self
+                .let_through(Request::from_parts(parts, Full::new(body)))
+                .await;
+        }
+        let client = self.config.client.of(&parts)?;
+        let (key, refusal) = match self.find_key(&parts, &body, &client).await? {
+            KeyFound::Run(key) => (key, None),
             KeyFound::None => {
                 return self
                     .let_through(Request::from_parts(parts, Full::new(body)))
                     .await;
             }
-            KeyFound::ReplayOnly(token) => {
-                let key = BusinessKey::new(scoped(&client, &token));
-                return match self.replay(&key).await {
-                    Err(Problem::ResponseGone) => Err(Problem::TokenExpired),
-                    answered => answered,
-                };
-            }
+            KeyFound::Expired(token) => (token, Some(Problem::TokenExpired)),
         };
         let key = scoped(&client, &key);
-        let context = format!("{} {}", parts.method, parts.uri.path());
-        let exchange = Exchange::new(parts);
+        let target = parts.uri.path_and_query().map_or("/", |target| target.as_str());
+        let context = format!("{} {target}", parts.method);
+        let exchange = Exchange::new(parts, refusal);
         let delivery = Delivery::new(Source::new(&*self.config.name), body)
             .with_message_id(key.clone())
             .with_fingerprint_context(context)
             .with_extension(exchange.clone());
-        let outcome = self.route.handle(delivery).await;
+        let route = self.route.clone();
+        // Run on a task of its own, so that a client that hangs up (which drops this
+        // future) does not cut the run off half-way: it commits or rolls back and settles
+        // its tiers as if the client had waited, and the client's retry finds it done.
+        let outcome = tokio::spawn(async move { route.handle(delivery).await }).await;
+        let outcome = outcome.unwrap_or_else(|failed| {
+            let detail = format!("the request's task failed: {failed}");
+            Outcome::retry_later(RetryReason::HandlerPanicked, detail, None)
+        });
         self.settle(outcome, exchange.take_reply(), &BusinessKey::new(key))
             .await
     }
@@ -454,7 +440,7 @@ where
                 let token = field.read(&parts.headers, body)?;
                 match book.check(token.clone(), client.to_owned()).await {
                     Ok(TokenCheck::Valid) => Ok(KeyFound::Run(token)),
-                    Ok(TokenCheck::Expired) => Ok(KeyFound::ReplayOnly(token)),
+                    Ok(TokenCheck::Expired) => Ok(KeyFound::Expired(token)),
                     Ok(TokenCheck::Unknown) => Err(Problem::TokenUnknown),
                     Err(error) => {
                         tracing::warn!(%error, "could not check a one-time token");
@@ -499,7 +485,7 @@ where
             }
             (Outcome::Duplicate { .. }, _) => self.replay(key).await,
             (Outcome::Stale { current, target }, _) => Err(Problem::Stale { current, target }),
-            (Outcome::RetryLater(_), Some(Reply::ServerError(response))) => Ok(response.map(Either::Right)),
+            (Outcome::RetryLater(_), Some(Reply::Retryable(response))) => Ok(response.map(Either::Right)),
             (Outcome::RetryLater(_), Some(Reply::Problem(problem))) => Err(problem),
             (Outcome::RetryLater(retry), _) => Err(retry_problem(key, &retry)),
             (Outcome::DeadLetter(dead), _) => Err(match dead.reason {
@@ -507,7 +493,9 @@ where
                 DeadLetterReason::Oversize => Problem::BodyTooLarge {
                     max: self.config.max_body_len,
                 },
-                DeadLetterReason::InvalidKey => Problem::key_malformed(dead.detail),
+                // The key itself was checked when it was read: what the route could not
+                // read is what the fingerprint selects of the body.
+                DeadLetterReason::InvalidKey => Problem::BodyInvalid { reason: dead.detail },
                 _ => {
                     tracing::warn!(%key, %dead, "the stack refused the request");
                     Problem::HandlerFailed
@@ -545,6 +533,14 @@ fn retry_problem(key: &BusinessKey, retry: &RetryLater) -> Problem {
             unavailable(retry.delay)
         }
     }
+}
+
+/// True for the methods draft-07 leaves alone: safe, hence idempotent without a key.
+fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
 }
 
 /// 503 with `Retry-After`: `delay`, or one second.

@@ -15,17 +15,18 @@
 //! - [`IdempotencyLayer`]: the layer; its docs map every outcome to its answer.
 //! - [`Problem`]: every answer that is not the handler's, as `application/problem+json`.
 //! - [`StoredResponse`], [`ResponseStore`]: what is answered again, and where it is kept:
-//!   [`PgResponses`] (feature `postgres`, default) in the record's transaction,
-//!   [`MemoryResponses`] for tests.
+//!   `PgResponses` (feature `postgres`, default) and `MysqlResponses` (feature `mysql`), each
+//!   in its record's transaction; [`MemoryResponses`] for tests.
 //! - [`TokenIssuer`], [`TokenBook`], [`TokenField`]: the one-time token flow;
 //!   [`PgTokens`] keeps the tokens.
 //! - [`HttpHandler`]: the user's service at the bottom of the tiers.
 //!
-//! Keys are scoped by the client ([`IdempotencyLayer::with_client`]); a key's first request
+//! Keys are scoped by the client ([`ClientScope`]); a key's first request
 //! runs once, whatever the number of copies and however they interleave, as far as the
 //! tiers guarantee it for a consumer: with the transactional record, exactly once. Its
 //! response — status, the stored headers, body — is what every retry gets until it expires.
 
+mod client;
 mod handler;
 mod key;
 mod layer;
@@ -34,12 +35,15 @@ mod response;
 mod store;
 mod token;
 
+pub use client::ClientScope;
 pub use handler::HttpHandler;
 pub use key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, REPLAYED};
 pub use layer::{DEFAULT_EXPIRY, DEFAULT_MAX_RESPONSE_LEN, Idempotency, IdempotencyLayer, IdempotentBody};
 pub use problem::Problem;
 pub use response::{ResponseStore, StoredResponse};
 pub use store::memory::MemoryResponses;
+#[cfg(feature = "mysql")]
+pub use store::mysql::MysqlResponses;
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PgResponses, PgTokens};
 pub use token::{TOKEN_HEADER, TokenBook, TokenCheck, TokenField, TokenIssuer, fresh_token};

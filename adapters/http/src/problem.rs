@@ -16,16 +16,17 @@ const TYPE_BASE: &str = "https://docs.rs/oncely-http/latest/oncely_http/enum.Pro
 ///
 /// | variant | status | the client should |
 /// |---|---|---|
-/// | [`KeyMissing`](Problem::KeyMissing), [`KeyMalformed`](Problem::KeyMalformed), [`BodyUnreadable`](Problem::BodyUnreadable) | 400 | fix the request |
+/// | [`KeyMissing`](Problem::KeyMissing), [`KeyMalformed`](Problem::KeyMalformed), [`BodyUnreadable`](Problem::BodyUnreadable), [`BodyInvalid`](Problem::BodyInvalid) | 400 | fix the request |
 /// | [`ClientUnidentified`](Problem::ClientUnidentified) | 401 | authenticate |
 /// | [`KeyInFlight`](Problem::KeyInFlight) | 409, `Retry-After` | retry later with the same key |
-/// | [`ResponseGone`](Problem::ResponseGone), [`Stale`](Problem::Stale) | 409 | not retry: the operation was done |
+/// | [`Stale`](Problem::Stale) | 409 | not retry: the entity moved past what the request asks |
+/// | [`ResponseGone`](Problem::ResponseGone) | 410 | not retry: the operation was done |
 /// | [`TokenExpired`](Problem::TokenExpired) | 410 | fetch a new token |
 /// | [`BodyTooLarge`](Problem::BodyTooLarge) | 413 | send less |
 /// | [`KeyReused`](Problem::KeyReused) | 422 | use a new key for a new payload |
 /// | [`TokenMissing`](Problem::TokenMissing), [`TokenUnknown`](Problem::TokenUnknown) | 400 | fetch a token |
 /// | [`HandlerFailed`](Problem::HandlerFailed), [`ResponseTooLarge`](Problem::ResponseTooLarge) | 500 | retry with the same key: nothing was committed |
-/// | [`StoreUnavailable`](Problem::StoreUnavailable) | 503, `Retry-After` | retry later with the same key |
+/// | [`StoreUnavailable`](Problem::StoreUnavailable) | 503, `Retry-After` | retry later with the same key (whether it ran is then known) |
 ///
 /// Details never carry a store's or handler's error text (that is logged): they say what
 /// happened to the request, not how the server is built.
@@ -62,6 +63,12 @@ pub enum Problem {
     },
     /// The request body could not be read (the client went away, a broken encoding).
     BodyUnreadable,
+    /// The body lacks what the route fingerprints: not JSON, where the route fingerprints
+    /// JSON fields.
+    BodyInvalid {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The request body is larger than the route accepts; it was not read further.
     BodyTooLarge {
         /// The largest body accepted, in bytes.
@@ -81,7 +88,9 @@ pub enum Problem {
         /// The largest stored response body, in bytes.
         max: usize,
     },
-    /// A store that must decide is unreachable; nothing ran.
+    /// A store that must decide is unreachable. Usually nothing ran; when the store went
+    /// away during the commit, nobody knows yet: the same key's retry is answered by the
+    /// record either way.
     StoreUnavailable {
         /// When to try again.
         retry_after: Duration,
@@ -101,13 +110,12 @@ impl Problem {
             Problem::KeyMissing
             | Problem::KeyMalformed { .. }
             | Problem::BodyUnreadable
+            | Problem::BodyInvalid { .. }
             | Problem::TokenMissing
             | Problem::TokenUnknown => StatusCode::BAD_REQUEST,
             Problem::ClientUnidentified => StatusCode::UNAUTHORIZED,
-            Problem::KeyInFlight { .. } | Problem::ResponseGone | Problem::Stale { .. } => {
-                StatusCode::CONFLICT
-            }
-            Problem::TokenExpired => StatusCode::GONE,
+            Problem::KeyInFlight { .. } | Problem::Stale { .. } => StatusCode::CONFLICT,
+            Problem::ResponseGone | Problem::TokenExpired => StatusCode::GONE,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Problem::HandlerFailed | Problem::ResponseTooLarge { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -126,6 +134,7 @@ impl Problem {
             Problem::ResponseGone => "ResponseGone",
             Problem::Stale { .. } => "Stale",
             Problem::BodyUnreadable => "BodyUnreadable",
+            Problem::BodyInvalid { .. } => "BodyInvalid",
             Problem::BodyTooLarge { .. } => "BodyTooLarge",
             Problem::TokenMissing => "TokenMissing",
             Problem::TokenUnknown => "TokenUnknown",
@@ -146,7 +155,8 @@ impl Problem {
                 "a request with this key is being processed; retry later with the same key".to_owned()
             }
             Problem::KeyReused => {
-                "this key was used with another request (method, path or payload); use a new key".to_owned()
+                "this key was used with another request (method, path, query or body); use a new key"
+                    .to_owned()
             }
             Problem::ResponseGone => {
                 "the request with this key was processed; its response is no longer stored".to_owned()
@@ -156,6 +166,7 @@ impl Problem {
                 current.as_deref().unwrap_or("no state")
             ),
             Problem::BodyUnreadable => "the request body could not be read".to_owned(),
+            Problem::BodyInvalid { reason } => format!("the request body cannot be checked: {reason}"),
             Problem::BodyTooLarge { max } => format!("the body is larger than {max} bytes"),
             Problem::TokenMissing => "this endpoint requires a one-time token".to_owned(),
             Problem::TokenUnknown => "the token was not issued to this client".to_owned(),
@@ -167,7 +178,7 @@ impl Problem {
                 "the response is larger than the {max} bytes this endpoint stores; nothing was committed"
             ),
             Problem::StoreUnavailable { .. } => {
-                "a store is unavailable and nothing ran; retry later with the same key".to_owned()
+                "a store is unavailable; retry later with the same key, which tells whether it ran".to_owned()
             }
         }
     }

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::HeaderName;
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE, HeaderName};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use oncely::{BusinessKey, Envelope, StoreError};
@@ -25,11 +25,15 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// The part of a response that is stored: `status`, those of `headers` named in
-    /// `stored`, and `body`.
+    /// The part of a response that is stored: `status`, its `Content-Type` and
+    /// `Content-Encoding` (the body means nothing without them) and those of `headers` named
+    /// in `stored`, and `body`.
     pub(crate) fn keep(status: StatusCode, headers: &HeaderMap, stored: &[HeaderName], body: Bytes) -> Self {
-        let headers = stored
+        let always = [CONTENT_TYPE, CONTENT_ENCODING];
+        let named = stored.iter().filter(|name| !always.contains(name));
+        let headers = always
             .iter()
+            .chain(named)
             .flat_map(|name| {
                 headers
                     .get_all(name)
@@ -107,6 +111,11 @@ pub trait ResponseStore: Clone + Send + Sync + 'static {
     /// record's open transaction), before the handler runs.
     fn lend(&self, envelope: &Envelope, extensions: &mut http::Extensions);
 
+    /// Stops what the handler still runs in the stack's transaction, after the layer's
+    /// timeout cut the handler off (PostgreSQL: cancels its statement), so that the rollback
+    /// does not wait behind it.
+    fn interrupt(&self, envelope: &Envelope) -> impl Future<Output = ()> + Send;
+
     /// Stores `response` as the answer to `envelope`'s key, kept for `expiry`.
     fn save(
         &self,
@@ -124,7 +133,7 @@ pub trait ResponseStore: Clone + Send + Sync + 'static {
 
 #[cfg(test)]
 mod tests {
-    use http::header::{CONTENT_TYPE, LOCATION};
+    use http::header::LOCATION;
 
     use super::*;
 

@@ -13,7 +13,7 @@ use http_body_util::Full;
 use oncely::{BoxFuture, StoreError};
 use tower_service::Service;
 
-use crate::layer::ClientIdentity;
+use crate::client::ClientScope;
 use crate::problem::Problem;
 
 /// The header a one-time token is read from unless configured otherwise.
@@ -104,7 +104,7 @@ impl TokenField {
 pub struct TokenIssuer {
     book: Arc<dyn TokenBook>,
     ttl: Duration,
-    client: ClientIdentity,
+    client: ClientScope,
 }
 
 impl fmt::Debug for TokenIssuer {
@@ -116,24 +116,21 @@ impl fmt::Debug for TokenIssuer {
 }
 
 impl TokenIssuer {
-    /// Issues tokens from `book`, each valid for `ttl`, to clients `client` identifies
-    /// (the same identity as the route's
-    /// [`with_client`](crate::IdempotencyLayer::with_client)).
-    pub fn new(
-        book: impl TokenBook,
-        ttl: Duration,
-        client: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
+    /// Issues tokens from `book`, each valid for `ttl`, bound to the client `clients` reads:
+    /// the same scope as the route that takes them. With [`ClientScope::shared`] a token is
+    /// anyone's who holds it.
+    pub fn new(book: impl TokenBook, ttl: Duration, clients: ClientScope) -> Self {
         TokenIssuer {
             book: Arc::new(book),
             ttl,
-            client: ClientIdentity::new(client),
+            client: clients,
         }
     }
 
     async fn issue(self, parts: http::request::Parts) -> Response<Full<Bytes>> {
-        let Some(client) = self.client.of(&parts) else {
-            return Problem::ClientUnidentified.to_response();
+        let client = match self.client.of(&parts) {
+            Ok(client) => client,
+            Err(problem) => return problem.to_response(),
         };
         let token = match self.book.issue(client, self.ttl).await {
             Ok(token) => token,

@@ -18,8 +18,12 @@ use oncely::postgres::deadpool_postgres::tokio_postgres::NoTls;
 use oncely::postgres::deadpool_postgres::{Manager, Pool};
 use oncely::postgres::{StatusColumns, Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
-use oncely_http::{IdempotencyLayer, PgResponses};
+use oncely_http::{ClientScope, IdempotencyLayer, PgResponses};
 use tower::ServiceBuilder;
+
+mod orders;
+
+use orders::orders;
 
 /// The schema the example keeps its tables in.
 const SCHEMA: &str = "payment_callback";
@@ -39,6 +43,11 @@ pub struct Notification {
     pub notified_at_ms: u64,
 }
 
+/// The order API's record table: a key space of its own, apart from the notifications'.
+fn api_records() -> Result<Table, oncely::ConfigError> {
+    Table::new(SCHEMA, "api_record")
+}
+
 /// `name` from the environment, or `default`.
 pub fn setting(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
@@ -46,15 +55,17 @@ pub fn setting(name: &str, default: &str) -> String {
 
 /// A pool on `DATABASE_URL` with the example's tables: the record, the orders (`UNPAID` until
 /// paid), the credits (one row per credited payment: a second row for an order is a double
-/// credit) and the refunds due (a second payment of a paid order).
+/// credit), the refunds due (a second payment of a paid order) and the order API's rows.
 pub async fn setup() -> Result<(Pool, Table), Box<dyn std::error::Error>> {
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
     let pool = Pool::builder(Manager::new(url.parse()?, NoTls))
         .max_size(32)
         .build()?;
     let records = Table::new(SCHEMA, "consumption_record")?;
-    migrate(&pool, &records).await?;
-    PgResponses::new(pool.clone(), &records)?.migrate().await?;
+    for table in [&records, &api_records()?] {
+        migrate(&pool, table).await?;
+        PgResponses::new(pool.clone(), table)?.migrate().await?;
+    }
     pool.get()
         .await?
         .batch_execute(
@@ -64,17 +75,21 @@ pub async fn setup() -> Result<(Pool, Table), Box<dyn std::error::Error>> {
              CREATE TABLE IF NOT EXISTS payment_callback.credits (
                  order_id TEXT NOT NULL, transaction_id TEXT NOT NULL, amount_cents BIGINT NOT NULL);
              CREATE TABLE IF NOT EXISTS payment_callback.refunds_due (
-                 order_id TEXT NOT NULL, transaction_id TEXT NOT NULL, amount_cents BIGINT NOT NULL);",
+                 order_id TEXT NOT NULL, transaction_id TEXT NOT NULL, amount_cents BIGINT NOT NULL);
+             CREATE TABLE IF NOT EXISTS payment_callback.api_orders (
+                 id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, body TEXT NOT NULL);",
         )
         .await?;
     Ok((pool, records))
 }
 
-/// The endpoint: `POST /notify` through the Redis flag (`REDIS_URL`) and the transactional
-/// record on `pool`, keyed by the body's `transaction_id`.
+/// The server: `POST /notify` through the Redis flag (`REDIS_URL`) and the transactional
+/// record on `pool`, keyed by the body's `transaction_id`; and the order API, `POST /orders`
+/// under an `Idempotency-Key` (`orders.rs`, the README's example).
 pub async fn app(pool: Pool, records: Table) -> Result<Router, Box<dyn std::error::Error>> {
     let url = setting("REDIS_URL", "redis://127.0.0.1:6379");
     let redis = oncely::redis::Client::open(url)?.get_connection_manager().await?;
+    let api = orders(pool.clone(), api_records()?, redis.clone())?;
     let flag = FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix("payment-callback"),
         Duration::from_secs(48 * 3600),
@@ -82,7 +97,8 @@ pub async fn app(pool: Pool, records: Table) -> Result<Router, Box<dyn std::erro
     let tiers = ServiceBuilder::new()
         .layer(flag)
         .layer(PgTransactionalLayer::new(pool.clone(), records.clone()));
-    let once = IdempotencyLayer::new(tiers, PgResponses::new(pool, &records)?)
+    // One caller, the provider: its notifications share one key scope.
+    let once = IdempotencyLayer::new(tiers, PgResponses::new(pool, &records)?, ClientScope::shared())
         .with_name("payment_notify")
         .with_key_from_body("/transaction_id")
         .with_fingerprint(FingerprintPolicy::fields([
@@ -93,7 +109,10 @@ pub async fn app(pool: Pool, records: Table) -> Result<Router, Box<dyn std::erro
         // The provider retries for about 25 hours: answer its retries for three days.
         .with_expiry(Duration::from_secs(72 * 3600))
         .with_timeout(Duration::from_secs(5));
-    Ok(Router::new().route("/notify", post(notify)).layer(once))
+    Ok(Router::new()
+        .route("/notify", post(notify))
+        .layer(once)
+        .merge(api))
 }
 
 /// What the provider reads: `SUCCESS` stops its retries; anything else, or any status but

@@ -9,7 +9,8 @@ use oncely::{BusinessKey, Envelope, StoreError};
 use crate::response::{ResponseStore, StoredResponse};
 
 /// Stored responses in this process's memory, for tests and demos: not shared between
-/// processes, lost with the process, and not part of any transaction.
+/// processes, lost with the process, and not part of any transaction. Expired responses are
+/// dropped whenever one is saved.
 #[derive(Clone, Debug, Default)]
 pub struct MemoryResponses(Arc<Mutex<HashMap<BusinessKey, (StoredResponse, Instant)>>>);
 
@@ -23,6 +24,8 @@ impl MemoryResponses {
 impl ResponseStore for MemoryResponses {
     fn lend(&self, _: &Envelope, _: &mut http::Extensions) {}
 
+    async fn interrupt(&self, _: &Envelope) {}
+
     async fn save(
         &self,
         envelope: &Envelope,
@@ -30,7 +33,9 @@ impl ResponseStore for MemoryResponses {
         expiry: Duration,
     ) -> Result<(), StoreError> {
         let mut responses = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let expires = Instant::now() + expiry;
+        let now = Instant::now();
+        responses.retain(|_, (_, expires)| *expires > now);
+        let expires = now + expiry;
         responses.insert(envelope.key().clone(), (response.clone(), expires));
         Ok(())
     }

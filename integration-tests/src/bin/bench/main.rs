@@ -1,5 +1,5 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench --
-//! [all|redis|postgres|mysql|amqp|rocketmq|prefilter]...`; every benchmark when none is named).
+//! [all|redis|postgres|mysql|amqp|rocketmq|http|prefilter]...`; every benchmark when none is named).
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
 //! run, prints a table per benchmark with the ratio, and writes them to `BENCHMARKS.md` with
@@ -21,6 +21,9 @@
 //! - `rocketmq` ([`rocketmq_end_to_end`]): end-to-end messages per second through RocketMQ's
 //!   concurrent listener with the full stack, the record per message and batched, next to a
 //!   raw listener;
+//! - `http` ([`http_endpoint`]): requests per second of an order endpoint behind
+//!   oncely-http's layer (flag + transactional record + stored response) next to the same
+//!   endpoint without it;
 //! - `prefilter` ([`prefilter`]): at 1 %, 10 % and 50 % duplicates, how many envelopes make
 //!   a Redis claim and reach PostgreSQL with and without a Bloom pre-filter, and messages
 //!   per second.
@@ -30,6 +33,7 @@
 
 mod amqp_end_to_end;
 mod chart;
+mod http_endpoint;
 mod machine;
 mod measure;
 mod mysql_record;
@@ -70,18 +74,21 @@ enum Benchmark {
     Amqp,
     /// RocketMQ end to end, the concurrent listener with the full stack against a raw one.
     Rocketmq,
+    /// An HTTP endpoint with the Idempotency-Key layer against the same without it.
+    Http,
     /// The Bloom pre-filter at 1, 10 and 50 % duplicates.
     Prefilter,
 }
 
 impl Benchmark {
     /// The benchmarks in the order they run.
-    const EACH: [Benchmark; 6] = [
+    const EACH: [Benchmark; 7] = [
         Benchmark::Redis,
         Benchmark::Postgres,
         Benchmark::Mysql,
         Benchmark::Amqp,
         Benchmark::Rocketmq,
+        Benchmark::Http,
         Benchmark::Prefilter,
     ];
 
@@ -103,6 +110,7 @@ impl Benchmark {
             Benchmark::Mysql => mysql_record::run(report).await,
             Benchmark::Amqp => amqp_end_to_end::run(report).await,
             Benchmark::Rocketmq => rocketmq_end_to_end::run(report).await,
+            Benchmark::Http => http_endpoint::run(report).await,
             Benchmark::Prefilter => prefilter::run(report).await,
         }
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::Pool;
+use deadpool_postgres::tokio_postgres::NoTls;
 use oncely::postgres::{Table, migrate_script};
 use oncely::record::PgTransaction;
 use oncely::{BoxFuture, BusinessKey, ConfigError, Envelope, StoreError};
@@ -79,9 +80,10 @@ impl PgResponses {
             purge: format!(
                 "WITH gone AS (DELETE FROM {table} WHERE message_key IN \
                    (SELECT message_key FROM {table} WHERE expires_at <= now() \
-                    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING message_key) \
-                 DELETE FROM {records} WHERE message_key IN (SELECT message_key FROM gone) \
-                   AND status = 'SUCCESS'"
+                    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING message_key), \
+                 records AS (DELETE FROM {records} WHERE message_key IN (SELECT message_key FROM gone) \
+                   AND status = 'SUCCESS') \
+                 SELECT count(*) FROM gone"
             ),
         };
         Ok(PgResponses {
@@ -103,16 +105,21 @@ impl PgResponses {
     }
 
     /// Deletes up to `limit` expired responses, oldest first, with their keys' `SUCCESS`
-    /// record rows, so that those keys are new again; answers how many record rows went.
+    /// record rows, so that those keys are new again; answers how many responses went.
     /// Safe while requests run (rows in use are skipped); call it until it answers 0.
+    ///
+    /// Keep the record's own retention (oncely's record purge) at least the expiry: a key
+    /// whose record is purged first runs again when its retry comes, and its new response
+    /// replaces the old.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
         let client = self.pool.get().await.map_err(StoreError::new)?;
-        let purged = client
-            .execute(&self.statements.purge, &[&i64::from(limit)])
+        let row = client
+            .query_one(&self.statements.purge, &[&i64::from(limit)])
             .await
             .map_err(StoreError::new)?;
+        let purged: i64 = row.try_get(0).map_err(StoreError::new)?;
         tracing::debug!(records = %self.records, purged, "purged expired responses");
-        Ok(purged)
+        Ok(u64::try_from(purged).unwrap_or(0))
     }
 }
 
@@ -120,6 +127,15 @@ impl ResponseStore for PgResponses {
     fn lend(&self, envelope: &Envelope, extensions: &mut http::Extensions) {
         if let Some(transaction) = envelope.extensions().get::<PgTransaction>() {
             extensions.insert(transaction.clone());
+        }
+    }
+
+    async fn interrupt(&self, envelope: &Envelope) {
+        if let Some(transaction) = envelope.extensions().get::<PgTransaction>() {
+            let cancelled = transaction.cancel_token().cancel_query(NoTls).await;
+            if let Err(error) = cancelled {
+                tracing::warn!(%error, "could not cancel the statement of a handler that timed out");
+            }
         }
     }
 
@@ -135,9 +151,14 @@ impl ResponseStore for PgResponses {
             ));
         };
         let status = i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX);
+        // Prepared once per connection: a statement prepared per request costs a round trip.
+        let save = transaction
+            .prepare_cached(&self.statements.save)
+            .await
+            .map_err(StoreError::new)?;
         transaction
             .execute(
-                &self.statements.save,
+                &save,
                 &[
                     &envelope.key().as_str(),
                     &status,
@@ -153,8 +174,12 @@ impl ResponseStore for PgResponses {
 
     async fn load(&self, key: &BusinessKey) -> Result<Option<StoredResponse>, StoreError> {
         let client = self.pool.get().await.map_err(StoreError::new)?;
+        let load = client
+            .prepare_cached(&self.statements.load)
+            .await
+            .map_err(StoreError::new)?;
         let row = client
-            .query_opt(&self.statements.load, &[&key.as_str()])
+            .query_opt(&load, &[&key.as_str()])
             .await
             .map_err(StoreError::new)?;
         row.map(|row| {

@@ -91,7 +91,8 @@ pub(super) async fn open(
 /// transaction back, the session is read-only outside the tier's transaction
 /// (`default_transaction_read_only`), so a write after your `ROLLBACK` fails instead of
 /// committing on its own, and the tier retries the delivery. Do not keep it after the
-/// handler returns: a clone kept past the answer commits nothing and can write nothing more. A statement that fails aborts the whole transaction:
+/// handler returns: a clone kept past the answer commits nothing and can write nothing more,
+/// whether the stack answered processed or not. A statement that fails aborts the whole transaction:
 /// returning `Ok` after ignoring such an error does not make the delivery processed — the
 /// tier sees the aborted transaction at commit and answers
 /// [`RetryLater`](crate::Outcome::RetryLater) with [`RetryReason::HandlerFailed`].
@@ -475,8 +476,14 @@ pub(super) async fn abandon(transaction: Arc<Checkout>) {
 }
 
 /// Ends the transaction with `statement`; the connection goes back to the pool only if that
-/// worked.
+/// worked. A transaction someone else still holds a handle to (a task the handler spawned, a
+/// handler cut off by a timeout) is abandoned instead: after the rollback gave the session
+/// its default back, that handle could write in autocommit, outside the record.
 pub(super) async fn end(transaction: Arc<Checkout>, statement: &str) {
+    if Arc::strong_count(&transaction) > 1 {
+        abandon(transaction).await;
+        return;
+    }
     match transaction.client().batch_execute(statement).await {
         Ok(()) => transaction.mark_clean(),
         Err(error) => {
