@@ -33,6 +33,9 @@ pub const TENANT: &str = "x-tenant";
 pub struct Faults {
     /// Runs that panic.
     pub panics: AtomicU32,
+    /// Counts runs down; the run that takes it from 1 to 0 panics: a failure in the middle
+    /// of a batch, after others ran in it.
+    pub panic_at_run: AtomicU32,
     /// Runs whose statement sleeps past the layer's timeout (`pg_sleep`), holding their
     /// transaction's rollback behind it unless the layer cancels it.
     pub stalls: AtomicU32,
@@ -53,6 +56,11 @@ impl Faults {
         fault
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
             .is_ok()
+    }
+
+    /// True for the run that takes `countdown` from 1 to 0.
+    fn reached(countdown: &AtomicU32) -> bool {
+        countdown.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)) == Ok(1)
     }
 }
 
@@ -189,7 +197,7 @@ async fn create_order(
         let _ = tx.execute("SELECT pg_sleep($1)", &[&stall]).await;
     }
     drop(tx);
-    if Faults::take(&faults.panics) {
+    if Faults::take(&faults.panics) || Faults::reached(&faults.panic_at_run) {
         panic!("the handler's injected panic");
     }
     if Faults::take(&faults.slow) {

@@ -553,12 +553,16 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
     assert_eq!(answers.iter().filter(|answer| !answer.is_replay()).count(), 1);
     assert_eq!(shop.effects().await, 1);
 
-    // One request panics, another answers 503, while 30 others run beside them.
-    shop.faults.panics.store(1, std::sync::atomic::Ordering::SeqCst);
+    // One request panics in the middle of a batch (the 20th run, after others ran in its
+    // transaction), another answers 503, while 62 others run beside them: a batch that
+    // rolls back runs its other requests again, each on its own.
+    shop.faults
+        .panic_at_run
+        .store(8, std::sync::atomic::Ordering::SeqCst);
     shop.faults
         .unavailable
         .store(1, std::sync::atomic::Ordering::SeqCst);
-    let keys: Vec<String> = (0..32).map(|i| format!("b-{i}")).collect();
+    let keys: Vec<String> = (0..64).map(|i| format!("b-{i}")).collect();
     let requests = keys.iter().map(|key| {
         let request = post(&server, "/orders", "acme", None, ORDER).header("idempotency-key", key.as_str());
         tokio::spawn(send(request))
@@ -575,7 +579,7 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
     assert_eq!(failed.len(), 2, "one panic and one 503");
     assert_eq!(
         shop.effects().await,
-        1 + 30,
+        1 + 62,
         "the failed requests' writes were committed"
     );
     for key in failed {
@@ -583,5 +587,5 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
             send(post(&server, "/orders", "acme", None, ORDER).header("idempotency-key", key)).await;
         assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
     }
-    assert_eq!(shop.effects().await, 1 + 32);
+    assert_eq!(shop.effects().await, 1 + 64);
 }

@@ -5,6 +5,7 @@ use std::convert::Infallible;
 use std::fmt;
 use std::future::poll_fn;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -27,10 +28,15 @@ use crate::response::{ResponseStore, StoredResponse};
 /// [`Outcome`].
 #[derive(Debug)]
 pub(crate) struct Exchange {
-    parts: Mutex<Option<Parts>>,
+    /// The request's head, cloned for each run: the batched record runs a request's
+    /// handler again, on its own, when the batch it ran in rolled back.
+    parts: Parts,
     /// Set when the request may be answered by the tiers (in flight, done) but must not
     /// run: an expired one-time token.
     refusal: Option<Problem>,
+    /// Set when the handler first runs: from then on the run goes on to its end, even if
+    /// the client hangs up.
+    started: AtomicBool,
     reply: Mutex<Option<Reply>>,
 }
 
@@ -54,10 +60,16 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Exchange {
     pub(crate) fn new(parts: Parts, refusal: Option<Problem>) -> Arc<Self> {
         Arc::new(Exchange {
-            parts: Mutex::new(Some(parts)),
+            parts,
             refusal,
+            started: AtomicBool::new(false),
             reply: Mutex::new(None),
         })
+    }
+
+    /// True once the handler ran or runs.
+    pub(crate) fn started(&self) -> bool {
+        self.started.load(Ordering::Acquire)
     }
 
     pub(crate) fn take_reply(&self) -> Option<Reply> {
@@ -163,20 +175,17 @@ where
     /// Runs the user's service on the envelope's request and leaves the answer in its
     /// exchange; the outcome tells the tiers in front whether to commit.
     async fn run(self, envelope: Envelope) -> Outcome {
-        let exchange = envelope.extensions().get::<Arc<Exchange>>().cloned();
-        let Some(mut parts) = exchange
-            .as_ref()
-            .and_then(|exchange| locked(&exchange.parts).take())
-        else {
+        let Some(exchange) = envelope.extensions().get::<Arc<Exchange>>().cloned() else {
             let detail = "no request: the HTTP handler runs only under IdempotencyLayer";
             return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
         };
-        let exchange = exchange.unwrap_or_else(|| unreachable!("the parts came from it"));
         if let Some(refusal) = &exchange.refusal {
             exchange.answer(Reply::Problem(refusal.clone()));
             let detail = format!("refused before it ran: {}", refusal.detail());
             return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
         }
+        exchange.started.store(true, Ordering::Release);
+        let mut parts = exchange.parts.clone();
         self.responses.lend(&envelope, &mut parts.extensions);
         let request = Request::from_parts(parts, Full::new(envelope.delivery().body().clone()));
         let (reply, outcome) = match self.respond(&envelope, request).await {
@@ -318,4 +327,49 @@ fn panicked(panic: &(dyn Any + Send)) -> Outcome {
         .unwrap_or("a panic without a message");
     tracing::error!(panic = message, "the HTTP handler panicked; nothing is committed");
     Outcome::retry_later(RetryReason::HandlerPanicked, format!("panicked: {message}"), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU32;
+
+    use oncely::{BusinessKey, Delivery, Source};
+
+    use super::*;
+    use crate::MemoryResponses;
+
+    /// The batched record runs a request's handler again, on its own, when the batch it ran
+    /// in rolled back: the second run must get the request too.
+    #[tokio::test]
+    async fn a_request_runs_again_after_its_batch_rolled_back() {
+        let runs = Arc::new(AtomicU32::new(0));
+        let counted = runs.clone();
+        let service = tower::service_fn(move |_: Request<Full<Bytes>>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done")))) }
+        });
+        let settings = RunSettings {
+            max_response_len: 1024,
+            stored_headers: Arc::from([]),
+            expiry: Duration::from_secs(60),
+            timeout: None,
+        };
+        let mut handler = HttpHandler::new(service, MemoryResponses::new(), Arc::new(settings));
+        let (parts, ()) = Request::new(()).into_parts();
+        let exchange = Exchange::new(parts, None);
+        let delivery = Delivery::new(Source::new("http"), "{}").with_extension(exchange.clone());
+        let envelope = Envelope::new(BusinessKey::new("k"), delivery);
+        for run in 1..=2 {
+            let outcome = handler
+                .call(envelope.clone())
+                .await
+                .unwrap_or_else(|never| match never {});
+            assert_eq!(outcome, Outcome::Processed, "run {run}");
+            assert!(
+                matches!(exchange.take_reply(), Some(Reply::Completed(_))),
+                "run {run}"
+            );
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
 }

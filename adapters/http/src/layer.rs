@@ -17,8 +17,10 @@ use oncely::{
     BoxError, BoxFuture, BusinessKey, DEFAULT_MAX_BODY_LEN, DeadLetterReason, Delivery, Envelope,
     FingerprintPolicy, KeyExtractor, Outcome, RetryLater, RetryReason, Route, Source,
 };
+use tokio::task::AbortHandle;
 use tower_layer::Layer;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::client::ClientScope;
 use crate::handler::{Exchange, HttpHandler, Reply, RunSettings};
@@ -29,6 +31,13 @@ use crate::token::{TokenBook, TokenCheck, TokenField};
 
 /// The largest stored response body unless configured otherwise: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_LEN: usize = 1024 * 1024;
+
+/// The longest business key (the client's identity and its key) a request may make, in
+/// bytes: what the record tables of both SQL stores index.
+pub const MAX_SCOPED_KEY_LEN: usize = 1024;
+
+/// How long the handler may run unless configured otherwise: 30 seconds.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a stored response is kept unless configured otherwise: 24 hours, Stripe's
 /// window.
@@ -105,6 +114,15 @@ struct Config {
 ///
 /// The tiers must settle a key only when the stack answers processed, as oncely's do: a key
 /// in flight is one whose handler has not answered yet.
+///
+/// Layers whose tiers share a record table (and a flag prefix) share one key space per
+/// client: the same key sent to two endpoints is one key, answered 422 on the second unless
+/// the fingerprint is off. Give endpoints that may see the same keys tables of their own.
+///
+/// With the flag in front, copies of a key in flight are answered 409 at once. Without it,
+/// or while Redis is down (the flag fails open), they wait in the record for the first
+/// one's transaction, each holding a pooled connection meanwhile: size the pool for the
+/// copies a client may send at once, or keep the flag.
 #[derive(Clone)]
 pub struct IdempotencyLayer<T, R> {
     tiers: T,
@@ -129,8 +147,8 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
     /// `OPTIONS` and `TRACE` (which pass through), at most [`DEFAULT_MAX_KEY_LEN`] bytes; the
     /// fingerprint over method, path with query, and whole body; bodies up to
     /// [`oncely::DEFAULT_MAX_BODY_LEN`]; stored responses up to
-    /// [`DEFAULT_MAX_RESPONSE_LEN`], with their `Content-Type`, kept [`DEFAULT_EXPIRY`]; no
-    /// timeout; the route named `http` in metrics and logs.
+    /// [`DEFAULT_MAX_RESPONSE_LEN`], kept [`DEFAULT_EXPIRY`]; the handler cut off after
+    /// [`DEFAULT_TIMEOUT`]; the route named `http` in metrics and logs.
     pub fn new(tiers: T, responses: R, clients: ClientScope) -> Self {
         IdempotencyLayer {
             tiers,
@@ -149,7 +167,7 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
                     max_response_len: DEFAULT_MAX_RESPONSE_LEN,
                     stored_headers: Arc::from([CONTENT_TYPE]),
                     expiry: DEFAULT_EXPIRY,
-                    timeout: None,
+                    timeout: Some(DEFAULT_TIMEOUT),
                 },
             },
         }
@@ -256,9 +274,11 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
         self
     }
 
-    /// Cuts the handler off after `limit`: its future is dropped, its transaction rolled
-    /// back, the client answered [`Problem::HandlerFailed`] and the key released, so a
-    /// retry runs it again.
+    /// Cuts the handler off after `limit` (default [`DEFAULT_TIMEOUT`]): its future is
+    /// dropped, its running statement cancelled (PostgreSQL), its transaction rolled back,
+    /// the client answered [`Problem::HandlerFailed`] and the key released, so a retry runs
+    /// it again. This is the way to bound a handler: a `tower` timeout in front of the
+    /// layer only stops waiting, since a started run goes on to its end on its own task.
     pub fn with_timeout(mut self, limit: Duration) -> Self {
         self.config.settings.timeout = Some(limit);
         self
@@ -279,9 +299,9 @@ where
     fn layer(&self, inner: S) -> Self::Service {
         let settings = Arc::new(self.config.settings.clone());
         let handler = HttpHandler::new(inner.clone(), self.responses.clone(), settings);
-        // Keys are the client's scope and the client's key; the key's own limit is checked
-        // when it is read, so the route only guards against an unbounded client identity.
-        let keys = KeyExtractor::message_id().with_max_len(4096);
+        // Keys are the client's scope and the client's key, checked against the limit when
+        // the request is read; the route's own check is the backstop.
+        let keys = KeyExtractor::message_id().with_max_len(MAX_SCOPED_KEY_LEN);
         let route = Route::new(self.config.name.clone(), keys, self.tiers.layer(handler))
             .with_fingerprint(self.config.fingerprint.clone())
             .with_max_body_len(self.config.max_body_len);
@@ -397,6 +417,11 @@ where
             KeyFound::Expired(token) => (token, Some(Problem::TokenExpired)),
         };
         let key = scoped(&client, &key);
+        if key.len() > MAX_SCOPED_KEY_LEN {
+            return Err(Problem::key_malformed(format!(
+                "the client's identity and the key together are over {MAX_SCOPED_KEY_LEN} bytes"
+            )));
+        }
         let target = parts.uri.path_and_query().map_or("/", |target| target.as_str());
         let context = format!("{} {target}", parts.method);
         let exchange = Exchange::new(parts, refusal);
@@ -406,10 +431,16 @@ where
             .with_extension(exchange.clone());
         let route = self.route.clone();
         // Run on a task of its own, so that a client that hangs up (which drops this
-        // future) does not cut the run off half-way: it commits or rolls back and settles
-        // its tiers as if the client had waited, and the client's retry finds it done.
-        let outcome = tokio::spawn(async move { route.handle(delivery).await }).await;
-        let outcome = outcome.unwrap_or_else(|failed| {
+        // future) does not cut a started run off half-way: it commits or rolls back and
+        // settles its tiers as if the client had waited, and the client's retry finds it
+        // done. A run whose handler has not started yet (a copy waiting for the key's
+        // first request in the record) is given up with its client, freeing its connection.
+        let task = tokio::spawn(async move { route.handle(delivery).await }.in_current_span());
+        let _give_up = GiveUpUnstarted {
+            task: task.abort_handle(),
+            exchange: exchange.clone(),
+        };
+        let outcome = task.await.unwrap_or_else(|failed| {
             let detail = format!("the request's task failed: {failed}");
             Outcome::retry_later(RetryReason::HandlerPanicked, detail, None)
         });
@@ -531,6 +562,21 @@ fn retry_problem(key: &BusinessKey, retry: &RetryLater) -> Problem {
         _ => {
             tracing::warn!(%key, %retry, "a store failed; nothing was committed");
             unavailable(retry.delay)
+        }
+    }
+}
+
+/// Aborts a request's task when the request is dropped (its client hung up) before its
+/// handler started. Once the task ended, aborting it does nothing.
+struct GiveUpUnstarted {
+    task: AbortHandle,
+    exchange: Arc<Exchange>,
+}
+
+impl Drop for GiveUpUnstarted {
+    fn drop(&mut self) {
+        if !self.exchange.started() {
+            self.task.abort();
         }
     }
 }

@@ -38,7 +38,10 @@ mod token;
 pub use client::ClientScope;
 pub use handler::HttpHandler;
 pub use key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, REPLAYED};
-pub use layer::{DEFAULT_EXPIRY, DEFAULT_MAX_RESPONSE_LEN, Idempotency, IdempotencyLayer, IdempotentBody};
+pub use layer::{
+    DEFAULT_EXPIRY, DEFAULT_MAX_RESPONSE_LEN, DEFAULT_TIMEOUT, Idempotency, IdempotencyLayer, IdempotentBody,
+    MAX_SCOPED_KEY_LEN,
+};
 pub use problem::Problem;
 pub use response::{ResponseStore, StoredResponse};
 pub use store::memory::MemoryResponses;

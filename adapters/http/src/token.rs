@@ -34,6 +34,10 @@ pub enum TokenCheck {
 
 /// Where one-time tokens are issued and checked.
 ///
+/// Keep a token's time to live no longer than the route's response expiry
+/// ([`IdempotencyLayer::with_expiry`](crate::IdempotencyLayer::with_expiry)): once a used
+/// token's response and record are purged, a token still valid would run again.
+///
 /// A token's life is UNUSED → CREATING → COMPLETED. The book holds the UNUSED part (the
 /// token, its client, its expiry); the route's tiers hold the rest under the token as key,
 /// exactly as for an `Idempotency-Key`: CREATING is the key's claim (the Redis flag's

@@ -23,10 +23,6 @@ const RESPONSES: &str = include_str!("responses.sql");
 /// the response is written in it, so the business write, the stored response and the record
 /// commit together or not at all; without that layer every request fails, as with
 /// [`PgResponses`](crate::PgResponses).
-///
-/// Unlike PostgreSQL's, a handler cut off by the layer's timeout does not have its running
-/// statement cancelled: the rollback waits for it, as long as the server's own limits
-/// (`innodb_lock_wait_timeout`, `max_statement_time`) let it run.
 #[derive(Clone)]
 pub struct MysqlResponses {
     pool: MySqlPool,
@@ -90,13 +86,15 @@ impl MysqlResponses {
         &self.table
     }
 
-    /// Deletes up to `limit` expired responses, oldest first, with their keys' `SUCCESS`
-    /// record rows, in one transaction, so that those keys are new again; answers how many
-    /// responses went. As [`PgResponses::purge_expired`](crate::PgResponses::purge_expired).
+    /// Deletes up to `limit` (at most 10,000) expired responses, oldest first, with their
+    /// keys' `SUCCESS` record rows, in one transaction, so that those keys are new again;
+    /// answers how many responses went. As `PgResponses::purge_expired` (feature
+    /// `postgres`).
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
         let mut transaction = self.pool.begin().await?;
+        // Each key is a placeholder of the statements below, which allow 65,535.
         let keys: Vec<Vec<u8>> = sqlx::query_scalar(&self.statements.expired)
-            .bind(limit)
+            .bind(limit.min(10_000))
             .fetch_all(&mut *transaction)
             .await?;
         if keys.is_empty() {
@@ -126,6 +124,8 @@ impl ResponseStore for MysqlResponses {
         }
     }
 
+    /// Nothing to do: a statement cut off through the transaction's handle marks the
+    /// transaction cut off, and its rollback ends the session rather than wait for it.
     async fn interrupt(&self, _: &Envelope) {}
 
     async fn save(
