@@ -553,12 +553,13 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
     assert_eq!(answers.iter().filter(|answer| !answer.is_replay()).count(), 1);
     assert_eq!(shop.effects().await, 1);
 
-    // One request panics in the middle of a batch (the 20th run, after others ran in its
-    // transaction), another answers 503, while 62 others run beside them: a batch that
-    // rolls back runs its other requests again, each on its own.
+    // The 20th run panics and the first answers 503, among 64 requests at once: the others
+    // are processed once, whatever batch they shared with a failed one (a batch that rolls
+    // back runs its other requests again, each on its own; the crate's unit test
+    // `a_request_runs_again_after_its_batch_rolled_back` shows such a second run).
     shop.faults
         .panic_at_run
-        .store(8, std::sync::atomic::Ordering::SeqCst);
+        .store(20, std::sync::atomic::Ordering::SeqCst);
     shop.faults
         .unavailable
         .store(1, std::sync::atomic::Ordering::SeqCst);
