@@ -179,6 +179,9 @@ impl Shop {
     }
 }
 
+/// Both order handlers' effect: one row, the statement prepared once per connection.
+const INSERT_EFFECT: &str = "INSERT INTO effects (path, body) VALUES ($1, $2)";
+
 /// The order handler: writes one `effects` row in the record's transaction, then maybe a
 /// fault, then answers [`created`].
 async fn create_order(
@@ -188,8 +191,11 @@ async fn create_order(
     body: Bytes,
 ) -> Response {
     let text = String::from_utf8_lossy(&body);
-    let insert = "INSERT INTO effects (path, body) VALUES ($1, $2)";
-    if let Err(error) = tx.execute(insert, &[&uri.path(), &text.as_ref()]).await {
+    let written = async {
+        let insert = tx.prepare_cached(INSERT_EFFECT).await?;
+        tx.execute(&insert, &[&uri.path(), &text.as_ref()]).await
+    };
+    if let Err(error) = written.await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
     }
     if Faults::take(&faults.stalls) {
@@ -217,9 +223,12 @@ async fn create_order_without_layer(State(pool): State<Pool>, uri: axum::http::U
     let text = String::from_utf8_lossy(&body);
     let written = async {
         let client = pool.get().await.map_err(|error| error.to_string())?;
-        let insert = "INSERT INTO effects (path, body) VALUES ($1, $2)";
+        let insert = client
+            .prepare_cached(INSERT_EFFECT)
+            .await
+            .map_err(|error| error.to_string())?;
         client
-            .execute(insert, &[&uri.path(), &text.as_ref()])
+            .execute(&insert, &[&uri.path(), &text.as_ref()])
             .await
             .map_err(|error| error.to_string())
     };
