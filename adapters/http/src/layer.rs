@@ -90,13 +90,14 @@ struct Config {
 /// [`Problem::KeyMalformed`]) and scoped by the client ([`ClientScope`]),
 /// the body read up to its limit ([`Problem::BodyTooLarge`]), and the request runs as one
 /// delivery through `tiers` — e.g. the Redis flag in front of the transactional record —
-/// with the user's service at the bottom ([`HttpHandler`]). The fingerprint covers the
-/// method, the path and the body (or the fields [`with_fingerprint`](Self::with_fingerprint)
-/// names). Then, by the stack's outcome:
+/// with the user's service at the bottom ([`HttpHandler`]), on a task of its own. The
+/// fingerprint covers the method, the path with its query and the body (or the fields
+/// [`with_fingerprint`](Self::with_fingerprint) names). `GET`, `HEAD`, `OPTIONS` and `TRACE`
+/// pass through without a key. Then, by the stack's outcome:
 ///
 /// | outcome | answer |
 /// |---|---|
-/// | processed | the handler's response, stored (status, [stored headers](Self::with_stored_headers), body) |
+/// | processed | the handler's response, stored (status, `Content-Type`, `Content-Encoding`, the [stored headers](Self::with_stored_headers), body) |
 /// | duplicate | the stored response again, with `Idempotent-Replayed: true`; [`Problem::ResponseGone`] once it expired |
 /// | the key in flight elsewhere | 409 [`Problem::KeyInFlight`] with `Retry-After` |
 /// | another payload under the key | 422 [`Problem::KeyReused`] |
