@@ -45,6 +45,8 @@ pub struct Faults {
     pub unavailable: AtomicU32,
     /// Runs that answer 429.
     pub throttled: AtomicU32,
+    /// Runs that ignore a failed statement (which aborts their transaction) and answer 201.
+    pub swallowed: AtomicU32,
 }
 
 /// How long a slow run takes.
@@ -197,6 +199,9 @@ async fn create_order(
     };
     if let Err(error) = written.await {
         return (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response();
+    }
+    if Faults::take(&faults.swallowed) {
+        let _ = tx.execute("SELECT 1 / 0", &[]).await;
     }
     if Faults::take(&faults.stalls) {
         let stall = (HANDLER_TIMEOUT * 4).as_secs_f64();

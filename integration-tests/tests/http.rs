@@ -9,6 +9,8 @@ use integration_tests::redis_server::ScratchRedis;
 use integration_tests::redis_url;
 
 const ORDER: &str = r#"{"sku":"tea","quantity":2}"#;
+/// Another payload than [`ORDER`].
+const OTHER_ORDER: &str = r#"{"sku":"tea","quantity":3}"#;
 
 /// A shop served with its record on its own pool and its flag on the shared Redis.
 async fn shop_server() -> (Shop, TestServer) {
@@ -140,14 +142,7 @@ async fn a_key_reused_for_another_request_is_refused_with_422() {
     let (shop, server) = shop_server().await;
     let first = send(post(&server, "/orders", "acme", Some("k"), ORDER)).await;
     assert_eq!(first.status, 201);
-    let other_body = send(post(
-        &server,
-        "/orders",
-        "acme",
-        Some("k"),
-        r#"{"sku":"tea","quantity":3}"#,
-    ))
-    .await;
+    let other_body = send(post(&server, "/orders", "acme", Some("k"), OTHER_ORDER)).await;
     assert_eq!(
         (other_body.status, problem_type(&other_body).as_str()),
         (422, "KeyReused")
@@ -513,14 +508,7 @@ async fn on_mariadb_a_key_runs_once_among_64_copies_and_is_answered_again() {
     let again = send(post(&server, "/orders", "acme", Some("k"), ORDER)).await;
     assert!(again.is_replay(), "{again:?}");
     assert_eq!(again.body, ran[0].body);
-    let other = send(post(
-        &server,
-        "/orders",
-        "acme",
-        Some("k"),
-        r#"{"sku":"tea","quantity":3}"#,
-    ))
-    .await;
+    let other = send(post(&server, "/orders", "acme", Some("k"), OTHER_ORDER)).await;
     assert_eq!(other.status, 422);
     assert_eq!(mariadb_effects(&database).await, 1);
 }
@@ -589,4 +577,23 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
         assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
     }
     assert_eq!(shop.effects().await, 1 + 64);
+}
+
+#[tokio::test]
+async fn a_handler_that_swallows_a_failed_statement_commits_nothing() {
+    let (shop, server) = shop_server().await;
+    // The failed statement aborted the transaction: the 201 the handler answers cannot be
+    // the key's result, since its effect and its record cannot commit.
+    shop.faults
+        .swallowed
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    let swallowed = send(post(&server, "/orders", "acme", Some("s"), ORDER)).await;
+    assert_eq!(
+        (swallowed.status, problem_type(&swallowed).as_str()),
+        (500, "HandlerFailed")
+    );
+    assert_eq!(shop.effects().await, 0);
+    let retried = send(post(&server, "/orders", "acme", Some("s"), ORDER)).await;
+    assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
+    assert_eq!(shop.effects().await, 1);
 }

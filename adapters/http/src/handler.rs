@@ -21,7 +21,7 @@ use oncely::{BoxError, BoxFuture, Envelope, Outcome, RetryReason, Tier};
 use tower_service::Service;
 
 use crate::problem::Problem;
-use crate::response::{ResponseStore, StoredResponse};
+use crate::response::{ResponseStore, SaveFailure, StoredResponse};
 
 /// What the layer and the bottom of its stack hand each other for one request: the request's
 /// parts on the way in, the answer on the way out. The stack itself only answers an
@@ -271,16 +271,19 @@ where
             body,
         );
         let saved = self.responses.save(envelope, &stored, self.settings.expiry).await;
-        saved.map_err(|error| {
-            tracing::warn!(key = %envelope.key(), %error, "could not store the response; rolling back");
-            Failed {
-                outcome: Outcome::retry_later(
-                    RetryReason::StoreUnavailable(Tier::Record),
-                    error.to_string(),
-                    None,
-                ),
-                problem: Problem::StoreUnavailable {
-                    retry_after: Duration::from_secs(1),
+        saved.map_err(|failure| {
+            tracing::warn!(key = %envelope.key(), %failure, "could not store the response; rolling back");
+            match failure {
+                SaveFailure::HandlerAborted(_) => Failed::handler_detail(failure.to_string()),
+                SaveFailure::Store(error) => Failed {
+                    outcome: Outcome::retry_later(
+                        RetryReason::StoreUnavailable(Tier::Record),
+                        error.to_string(),
+                        None,
+                    ),
+                    problem: Problem::StoreUnavailable {
+                        retry_after: Duration::from_secs(1),
+                    },
                 },
             }
         })

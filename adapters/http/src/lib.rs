@@ -43,7 +43,7 @@ pub use layer::{
     MAX_SCOPED_KEY_LEN,
 };
 pub use problem::Problem;
-pub use response::{ResponseStore, StoredResponse};
+pub use response::{ResponseStore, SaveFailure, StoredResponse};
 pub use store::memory::MemoryResponses;
 #[cfg(feature = "mysql")]
 pub use store::mysql::MysqlResponses;

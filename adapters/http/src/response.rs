@@ -100,6 +100,21 @@ impl StoredResponse {
     }
 }
 
+/// Why a response was not stored; either way nothing is committed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SaveFailure {
+    /// The record's transaction was already aborted by a statement of the handler that
+    /// failed, and that the handler ignored before it answered: the handler's failure, which
+    /// the client is answered as such ([`Problem::HandlerFailed`](crate::Problem::HandlerFailed)).
+    #[error("a statement of the handler failed and aborted its transaction: {0}")]
+    HandlerAborted(StoreError),
+    /// The store failed or could not be reached
+    /// ([`Problem::StoreUnavailable`](crate::Problem::StoreUnavailable)).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 /// Where a route keeps its stored responses.
 ///
 /// A store whose writes belong in the record tier's transaction (PostgreSQL's
@@ -122,7 +137,7 @@ pub trait ResponseStore: Clone + Send + Sync + 'static {
         envelope: &Envelope,
         response: &StoredResponse,
         expiry: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(), SaveFailure>> + Send;
 
     /// The stored answer to `key`, if it is still kept.
     fn load(

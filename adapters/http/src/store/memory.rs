@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use oncely::{BusinessKey, Envelope, StoreError};
 
-use crate::response::{ResponseStore, StoredResponse};
+use crate::response::{ResponseStore, SaveFailure, StoredResponse};
 
 /// Stored responses in this process's memory, for tests and demos: not shared between
 /// processes, lost with the process, and not part of any transaction. Expired responses are
@@ -31,7 +31,7 @@ impl ResponseStore for MemoryResponses {
         envelope: &Envelope,
         response: &StoredResponse,
         expiry: Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), SaveFailure> {
         let mut responses = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let now = Instant::now();
         responses.retain(|_, (_, expires)| *expires > now);

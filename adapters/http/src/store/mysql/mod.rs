@@ -11,7 +11,7 @@ use oncely::mysql::sqlx::{self, MySqlPool, Row};
 use oncely::record::MysqlTransaction;
 use oncely::{BusinessKey, ConfigError, Envelope, StoreError};
 
-use crate::response::{ResponseStore, StoredResponse};
+use crate::response::{ResponseStore, SaveFailure, StoredResponse};
 
 const RESPONSES: &str = include_str!("responses.sql");
 
@@ -133,11 +133,12 @@ impl ResponseStore for MysqlResponses {
         envelope: &Envelope,
         response: &StoredResponse,
         expiry: Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), SaveFailure> {
         let Some(transaction) = envelope.extensions().get::<MysqlTransaction>() else {
             return Err(StoreError::malformed(
                 "no record transaction to store the response in: put MysqlTransactionalLayer in the tiers",
-            ));
+            )
+            .into());
         };
         let micros = u64::try_from(expiry.as_micros()).unwrap_or(u64::MAX);
         sqlx::query(&self.statements.save)
@@ -147,7 +148,8 @@ impl ResponseStore for MysqlResponses {
             .bind(&response.body[..])
             .bind(micros)
             .execute(transaction)
-            .await?;
+            .await
+            .map_err(StoreError::from)?;
         Ok(())
     }
 

@@ -8,11 +8,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::NoTls;
+use deadpool_postgres::tokio_postgres::error::SqlState;
 use oncely::postgres::{Table, migrate_script};
 use oncely::record::PgTransaction;
 use oncely::{BoxFuture, BusinessKey, ConfigError, Envelope, StoreError};
 
-use crate::response::{ResponseStore, StoredResponse};
+use crate::response::{ResponseStore, SaveFailure, StoredResponse};
 use crate::token::{TokenBook, TokenCheck, fresh_token};
 
 const RESPONSES: &str = include_str!("responses.sql");
@@ -144,18 +145,19 @@ impl ResponseStore for PgResponses {
         envelope: &Envelope,
         response: &StoredResponse,
         expiry: Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), SaveFailure> {
         let Some(transaction) = envelope.extensions().get::<PgTransaction>() else {
             return Err(StoreError::malformed(
                 "no record transaction to store the response in: put PgTransactionalLayer in the tiers",
-            ));
+            )
+            .into());
         };
         let status = i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX);
         // Prepared once per connection: a statement prepared per request costs a round trip.
         let save = transaction
             .prepare_cached(&self.statements.save)
             .await
-            .map_err(StoreError::new)?;
+            .map_err(save_failure)?;
         transaction
             .execute(
                 &save,
@@ -168,7 +170,7 @@ impl ResponseStore for PgResponses {
                 ],
             )
             .await
-            .map_err(StoreError::new)?;
+            .map_err(save_failure)?;
         Ok(())
     }
 
@@ -192,6 +194,18 @@ impl ResponseStore for PgResponses {
             )
         })
         .transpose()
+    }
+}
+
+/// Why the response's write failed: the handler's failure when its transaction was already
+/// aborted by a statement it ignored, the store's otherwise.
+fn save_failure(error: deadpool_postgres::tokio_postgres::Error) -> SaveFailure {
+    let aborted = error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION);
+    let error = StoreError::new(error);
+    if aborted {
+        SaveFailure::HandlerAborted(error)
+    } else {
+        SaveFailure::Store(error)
     }
 }
 
