@@ -4,13 +4,16 @@
 //! rows, the record rows and the outcome the adapter would act on.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use integration_tests::postgres::{
     BoxedStack, CommitAnswerThief, RecordMode, ScratchSchema, insert_stock_move, schema_pool, stock_schema,
 };
+use oncely::postgres::deadpool_postgres::tokio_postgres::Error as PgError;
 use oncely::postgres::deadpool_postgres::tokio_postgres::error::SqlState;
-use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer};
+use oncely::record::{BatchAnswer, CommitRows, PgTransaction, PgTransactionalLayer};
 use oncely::{
     DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Source,
     Tier, handler_fn,
@@ -487,4 +490,101 @@ async fn a_delivery_dropped_while_waiting_for_its_turn_leaves_no_record_without_
     assert_eq!(route.handle(order("o-1")).await, Outcome::Processed);
     let moves = moves(&schema).await;
     assert_eq!((moves.get("o-0"), moves.get("o-1")), (Some(&1), Some(&1)));
+}
+
+/// Receipts deferred to the record's commit (`PgTransaction::defer`): gathered per
+/// transaction, written by one statement each; `written` counts the statements that
+/// succeeded.
+struct Receipts {
+    orders: Vec<String>,
+    written: Arc<AtomicUsize>,
+}
+
+impl CommitRows for Receipts {
+    fn absorb(&mut self, more: Self) -> Option<Self> {
+        self.orders.extend(more.orders);
+        None
+    }
+
+    async fn write(self, client: &oncely::postgres::deadpool_postgres::Client) -> Result<(), PgError> {
+        client
+            .execute(
+                "INSERT INTO receipts (order_id) SELECT unnest($1::text[])",
+                &[&self.orders],
+            )
+            .await?;
+        self.written.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_deferred_to_the_commit_are_written_once_per_transaction_with_it_or_not_at_all() {
+    for mode in RecordMode::ALL {
+        let (schema, pool) = stock_schema(8).await;
+        // o-7's receipt breaks a constraint: found only as the record commits, it must take
+        // o-7's stock move down with it, and nobody else's.
+        schema
+            .execute("CREATE TABLE receipts (order_id TEXT PRIMARY KEY CHECK (order_id <> 'o-7'))")
+            .await;
+        let written = Arc::new(AtomicUsize::new(0));
+        let counted = written.clone();
+        let handler = handler_fn(move |envelope: Envelope| {
+            let written = counted.clone();
+            async move {
+                insert_stock_move(&envelope).await?;
+                let tx = envelope.extensions().get::<PgTransaction>().unwrap().clone();
+                let order = envelope.key().to_string();
+                tx.defer(Receipts {
+                    orders: vec![order.clone()],
+                    written,
+                });
+                // Deferred, then failed: the receipt must never be written.
+                if order == "o-10" {
+                    return Err(HandlerError::transient("payment service timed out"));
+                }
+                Ok(())
+            }
+        });
+        let deferring = route(mode.stack(&pool, schema.records(), handler));
+        let outcomes = handle_all(&deferring, orders(40)).await;
+
+        let failed: Vec<_> = outcomes
+            .iter()
+            .enumerate()
+            .filter(|(_, outcome)| **outcome != Outcome::Processed)
+            .map(|(i, outcome)| (i, outcome.retry_reason()))
+            .collect();
+        assert_eq!(
+            failed,
+            [
+                (7, Some(RetryReason::HandlerFailed)),
+                (10, Some(RetryReason::HandlerFailed))
+            ],
+            "{mode:?}"
+        );
+        let moves = moves(&schema).await;
+        assert_eq!(moves.len(), 38, "{mode:?}: {moves:?}");
+        assert!(
+            !moves.contains_key("o-7") && !moves.contains_key("o-10"),
+            "{mode:?}"
+        );
+        let receipts = schema.count("SELECT count(*) FROM receipts").await;
+        let with_moves = schema
+            .count("SELECT count(*) FROM receipts JOIN stock_moves USING (order_id)")
+            .await;
+        assert_eq!((receipts, with_moves), (38, 38), "{mode:?}");
+        let transactions = committing_transactions(&schema).await;
+        assert_eq!(
+            written.load(Ordering::SeqCst) as i64,
+            transactions,
+            "{mode:?}: one receipt statement per committed transaction"
+        );
+        if mode == RecordMode::Batched {
+            assert!(
+                transactions < 38,
+                "{mode:?}: {transactions} commits for 38 orders"
+            );
+        }
+    }
 }

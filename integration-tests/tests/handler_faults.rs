@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use deadpool_postgres::tokio_postgres;
 use integration_tests::postgres::{
     BoxedStack, RecordMode, ScratchSchema, insert_stock_move, pool, stock_schema,
 };
-use oncely::record::PgTransaction;
+use oncely::record::{CommitRows, PgTransaction};
 use oncely::{
     DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Source,
     handler_fn,
@@ -118,11 +119,14 @@ async fn a_handler_that_ends_the_transaction_itself_is_retried() {
         // would commit without the key's record and be applied again by the retry: the commit
         // checks the transaction is still the one that claimed the key, and outside it the
         // session is read-only. A write then "COMMIT": the record's guard trigger fails it.
-        for (ending, write_first) in [
-            ("ROLLBACK", true),
-            ("ROLLBACK; BEGIN", false),
-            ("ROLLBACK", false),
-            ("COMMIT", true),
+        // Rows deferred to the commit after its own "ROLLBACK" are refused (a read-only
+        // session) and answered as the handler's failure, not the store's.
+        for (ending, write_first, defers) in [
+            ("ROLLBACK", true, false),
+            ("ROLLBACK; BEGIN", false, false),
+            ("ROLLBACK", false, false),
+            ("COMMIT", true, false),
+            ("ROLLBACK", true, true),
         ] {
             let (schema, pool) = stock_schema(4).await;
             let first = Arc::new(AtomicUsize::new(0));
@@ -137,15 +141,39 @@ async fn a_handler_that_ends_the_transaction_itself_is_retried() {
                         if !write_first {
                             insert_stock_move(&envelope).await?;
                         }
+                        if defers {
+                            the_transaction(&envelope).defer(StockMoveAtCommit(envelope.key().to_string()));
+                        }
                     }
                     Ok::<(), HandlerError>(())
                 }
             });
-            handled_as_failed_with_nothing_committed(&route, &schema, "o-1", &format!("{mode:?} {ending}"))
-                .await;
+            handled_as_failed_with_nothing_committed(
+                &route,
+                &schema,
+                "o-1",
+                &format!("{mode:?} {ending}, deferring: {defers}"),
+            )
+            .await;
             assert_eq!(route.handle(order("o-1")).await, Outcome::Processed, "{ending}");
             assert_eq!(moves_of(&schema, "o-1").await, 1, "{ending}: applied once");
         }
+    }
+}
+
+/// A stock move deferred to the record's commit.
+struct StockMoveAtCommit(String);
+
+impl CommitRows for StockMoveAtCommit {
+    fn absorb(&mut self, more: Self) -> Option<Self> {
+        Some(more)
+    }
+
+    async fn write(self, client: &deadpool_postgres::Client) -> Result<(), tokio_postgres::Error> {
+        client
+            .execute("INSERT INTO stock_moves (order_id) VALUES ($1)", &[&self.0])
+            .await?;
+        Ok(())
     }
 }
 

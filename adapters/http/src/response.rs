@@ -107,6 +107,8 @@ pub enum SaveFailure {
     /// The record's transaction was already aborted by a statement of the handler that
     /// failed, and that the handler ignored before it answered: the handler's failure, which
     /// the client is answered as such ([`Problem::HandlerFailed`](crate::Problem::HandlerFailed)).
+    /// For stores that write as they save; the bundled ones do not return it (PostgreSQL's
+    /// writes at the commit, which tells the same failure apart itself).
     #[error("a statement of the handler failed and aborted its transaction: {0}")]
     HandlerAborted(StoreError),
     /// The store failed or could not be reached

@@ -46,7 +46,7 @@ pub use crate::store::mysql::record::{
 pub use crate::store::mysql::transaction::MysqlTransaction;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
-    PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgTransaction,
+    CommitRows, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgTransaction,
     PgTransactionalLayer, PgTransactionalTicket,
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]

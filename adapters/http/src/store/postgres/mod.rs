@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use deadpool_postgres::Pool;
-use deadpool_postgres::tokio_postgres::NoTls;
-use deadpool_postgres::tokio_postgres::error::SqlState;
+use deadpool_postgres::tokio_postgres::{self, NoTls};
 use oncely::postgres::{Table, migrate_script};
-use oncely::record::PgTransaction;
+use oncely::record::{CommitRows, PgTransaction};
 use oncely::{BoxFuture, BusinessKey, ConfigError, Envelope, StoreError};
 
 use crate::response::{ResponseStore, SaveFailure, StoredResponse};
@@ -32,8 +31,9 @@ fn render(migration: &str, table: &Table) -> String {
 ///
 /// Stand it behind `oncely::record::PgTransactionalLayer` on the same database: the layer's
 /// open transaction is lent to the handler (`Extension<PgTransaction>` in axum) and the
-/// response is written in it, so the business write, the stored response and the record
-/// commit together or not at all. Without that layer in the tiers, every request fails
+/// response is written in it as it commits ([`PgTransaction::defer`]: with the batched
+/// record, a batch's responses in one statement), so the business write, the stored
+/// response and the record commit together or not at all. Without that layer in the tiers, every request fails
 /// ([`Problem::StoreUnavailable`](crate::Problem::StoreUnavailable), logged): a response
 /// stored outside the record's transaction could outlive a rolled-back effect, or be lost
 /// after a committed one.
@@ -46,7 +46,7 @@ pub struct PgResponses {
 }
 
 struct Statements {
-    save: String,
+    save: Arc<str>,
     load: String,
     purge: String,
 }
@@ -66,13 +66,17 @@ impl PgResponses {
         let name = format!("{}_responses", records.name().as_str());
         let table = Table::new(records.schema().as_str(), &name)?;
         let statements = Statements {
+            // Every response of a batch in one statement, at the batch's commit.
             save: format!(
                 "INSERT INTO {table} (message_key, status, headers, body, expires_at) \
-                 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5)) \
+                 SELECT key, status, headers, body, now() + make_interval(secs => expiry) \
+                 FROM unnest($1::text[], $2::int2[], $3::bytea[], $4::bytea[], $5::float8[]) \
+                   AS saved(key, status, headers, body, expiry) \
                  ON CONFLICT (message_key) DO UPDATE SET status = EXCLUDED.status, \
                  headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = now(), \
                  expires_at = EXCLUDED.expires_at"
-            ),
+            )
+            .into(),
             load: format!(
                 "SELECT status::int4, headers, body FROM {table} WHERE message_key = $1 AND expires_at > now()"
             ),
@@ -152,25 +156,15 @@ impl ResponseStore for PgResponses {
             )
             .into());
         };
-        let status = i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX);
-        // Prepared once per connection: a statement prepared per request costs a round trip.
-        let save = transaction
-            .prepare_cached(&self.statements.save)
-            .await
-            .map_err(save_failure)?;
-        transaction
-            .execute(
-                &save,
-                &[
-                    &envelope.key().as_str(),
-                    &status,
-                    &response.encode_headers(),
-                    &&response.body[..],
-                    &expiry.as_secs_f64(),
-                ],
-            )
-            .await
-            .map_err(save_failure)?;
+        // Written as the record commits, with the batch's other responses: see `ResponseRows`.
+        transaction.defer(ResponseRows {
+            insert: self.statements.save.clone(),
+            keys: vec![envelope.key().as_str().to_owned()],
+            statuses: vec![i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX)],
+            headers: vec![response.encode_headers()],
+            bodies: vec![response.body.clone()],
+            expiries: vec![expiry.as_secs_f64()],
+        });
         Ok(())
     }
 
@@ -197,15 +191,43 @@ impl ResponseStore for PgResponses {
     }
 }
 
-/// Why the response's write failed: the handler's failure when its transaction was already
-/// aborted by a statement it ignored, the store's otherwise.
-fn save_failure(error: deadpool_postgres::tokio_postgres::Error) -> SaveFailure {
-    let aborted = error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION);
-    let error = StoreError::new(error);
-    if aborted {
-        SaveFailure::HandlerAborted(error)
-    } else {
-        SaveFailure::Store(error)
+/// Responses waiting for their record's commit, one column each: with the batched record,
+/// a batch's responses are written by one statement (a multi-row `INSERT` from arrays), not
+/// one per request on the batch's connection.
+struct ResponseRows {
+    /// The statement, which names the table: rows for another table are not gathered here.
+    insert: Arc<str>,
+    keys: Vec<String>,
+    statuses: Vec<i16>,
+    headers: Vec<Vec<u8>>,
+    bodies: Vec<Bytes>,
+    expiries: Vec<f64>,
+}
+
+impl CommitRows for ResponseRows {
+    fn absorb(&mut self, more: Self) -> Option<Self> {
+        if self.insert != more.insert {
+            return Some(more);
+        }
+        self.keys.extend(more.keys);
+        self.statuses.extend(more.statuses);
+        self.headers.extend(more.headers);
+        self.bodies.extend(more.bodies);
+        self.expiries.extend(more.expiries);
+        None
+    }
+
+    async fn write(self, client: &deadpool_postgres::Client) -> Result<(), tokio_postgres::Error> {
+        // Prepared once per connection: a statement prepared per batch costs a round trip.
+        let insert = client.prepare_cached(&self.insert).await?;
+        let bodies: Vec<&[u8]> = self.bodies.iter().map(|body| &body[..]).collect();
+        client
+            .execute(
+                &insert,
+                &[&self.keys, &self.statuses, &self.headers, &bodies, &self.expiries],
+            )
+            .await?;
+        Ok(())
     }
 }
 

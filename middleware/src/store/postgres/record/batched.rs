@@ -5,12 +5,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::transactional::{PgTransaction, PgTransactionalLayer, ROLLBACK, abandon, commit, end, open};
+use super::transactional::{
+    PgTransaction, PgTransactionalLayer, ROLLBACK, RecordTransaction, abandon, commit, end, open,
+};
 use crate::error::StoreError;
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::{BatchHandlerService, BatchedLayer, BatchedService, Begin, RecordStatus};
 use crate::store::postgres::claims::claim_batch;
-use crate::store::postgres::{Checkout, lost_to_another_transaction};
+use crate::store::postgres::lost_to_another_transaction;
 use crate::store::sql::ClaimRequest;
 use crate::store::sql::batched::TransactionalRecord;
 use crate::tier::Tier;
@@ -38,7 +40,7 @@ impl PgTransactionalLayer {
 /// A batch's open transaction: the connection, and the id of the transaction that claimed
 /// (`txid_current()`), once a claim returned it.
 pub(crate) struct PgBatch {
-    transaction: Arc<Checkout>,
+    transaction: Arc<RecordTransaction>,
     xid: Option<i64>,
 }
 

@@ -16,6 +16,7 @@
 //! validated, and every value is a bound parameter.
 
 mod batched;
+mod commit_rows;
 mod transactional;
 
 use std::fmt;
@@ -25,6 +26,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 
 pub use self::batched::{PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
+pub use self::commit_rows::CommitRows;
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;

@@ -8,6 +8,7 @@ use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::error::SqlState;
 use tower_layer::Layer;
 
+use super::commit_rows::{CommitRows, DeferredRows};
 use crate::envelope::Envelope;
 use crate::error::StoreError;
 use crate::handler::{Handler, InTransaction, TypedHandler, typed};
@@ -56,8 +57,11 @@ pub(super) async fn open(
     pool: &Pool,
     statements: &Statements,
     requests: &[ClaimRequest],
-) -> Result<(Arc<Checkout>, Claimed), StoreError> {
-    let transaction = Arc::new(Checkout::get(pool).await?);
+) -> Result<(Arc<RecordTransaction>, Claimed), StoreError> {
+    let transaction = Arc::new(RecordTransaction {
+        checkout: Checkout::get(pool).await?,
+        rows: DeferredRows::default(),
+    });
     let client = transaction.client();
     // The three are sent at once, in this order. Had the `BEGIN` failed (it cannot, short of
     // a lost connection, which fails the claim too), the claim would run on its own, in a
@@ -75,6 +79,25 @@ pub(super) async fn open(
         }
         // Dropped unmarked, the connection is closed.
         (Err(error), _) => Err(StoreError::new(error)),
+    }
+}
+
+/// A record transaction: the connection it is open on, and the rows its handlers deferred
+/// to its commit ([`PgTransaction::defer`]).
+pub(super) struct RecordTransaction {
+    checkout: Checkout,
+    rows: DeferredRows,
+}
+
+impl RecordTransaction {
+    /// The connection.
+    pub(super) fn client(&self) -> &deadpool_postgres::Client {
+        self.checkout.client()
+    }
+
+    /// Says the session is clean: on drop the connection goes back to the pool.
+    fn mark_clean(&self) {
+        self.checkout.mark_clean();
     }
 }
 
@@ -116,12 +139,20 @@ pub(super) async fn open(
 /// An untyped handler ([`handler_fn`](crate::handler_fn)) behind the layer finds it in the
 /// envelope's [extensions](crate::Envelope::extensions).
 #[derive(Clone)]
-pub struct PgTransaction(pub(super) Arc<Checkout>);
+pub struct PgTransaction(pub(super) Arc<RecordTransaction>);
 
 impl PgTransaction {
     /// The connection, inside the open transaction.
     pub fn client(&self) -> &deadpool_postgres::Client {
         self.0.client()
+    }
+
+    /// Hands `rows` to the tier, to write in this transaction just before it commits,
+    /// gathered with the rows the other handlers of the transaction (a batch's) deferred:
+    /// see [`CommitRows`] for what that buys and its limits. Dropped unwritten if the
+    /// transaction does not commit.
+    pub fn defer<R: CommitRows>(&self, rows: R) {
+        self.0.rows.add(rows);
     }
 }
 
@@ -305,7 +336,7 @@ impl<S: TransactionSafe> Layer<S> for PgTransactionalLayer {
 /// key is claimed. Dropped without being settled (the stack's future was dropped, a tier
 /// behind panicked), its connection is closed and the server rolls the transaction back.
 pub struct PgTransactionalTicket {
-    transaction: Arc<Checkout>,
+    transaction: Arc<RecordTransaction>,
     /// The transaction's id (`txid_current()`), as the claim returned it.
     xid: i64,
     request: ClaimRequest,
@@ -402,7 +433,7 @@ impl PgTransactionalLayer {
 
 /// Commits, and proves it: `Err` is the outcome when nothing was committed (or, with the
 /// connection lost, when nobody knows; the redelivery then finds out from the record).
-pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), Outcome> {
+pub(super) async fn commit(transaction: Arc<RecordTransaction>, xid: i64) -> Result<(), Outcome> {
     // The envelope, and every handle to the transaction in it, is gone once the stack has
     // answered; a handle still alive (kept in a spawned task, say) could write after the
     // commit, outside the record.
@@ -414,7 +445,16 @@ pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), O
             None,
         ));
     }
-    let error = match transaction.client().batch_execute(&commit_checked(xid)).await {
+    // The deferred rows go first, in the transaction, and the commit only once they are
+    // written (pipelined, a write that failed in the client would let the commit through
+    // without them). Their failure is classified below like the commit's: the handler's
+    // (an aborted or ended transaction) or the store's.
+    let client = transaction.client();
+    let committed = async {
+        transaction.rows.write(client).await?;
+        client.batch_execute(&commit_checked(xid)).await
+    };
+    let error = match committed.await {
         Ok(()) => {
             transaction.mark_clean();
             return Ok(());
@@ -429,6 +469,9 @@ pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), O
         SqlState::IN_FAILED_SQL_TRANSACTION,
         SqlState::NO_ACTIVE_SQL_TRANSACTION,
         SqlState::DIVISION_BY_ZERO,
+        // A deferred write after the handler ended the transaction: the session is
+        // read-only outside the tier's `BEGIN READ WRITE`.
+        SqlState::READ_ONLY_SQL_TRANSACTION,
     ];
     if ended_by_the_handler.contains(code) {
         end(transaction, ROLLBACK).await;
@@ -463,7 +506,7 @@ pub(super) async fn commit(transaction: Arc<Checkout>, xid: i64) -> Result<(), O
 /// Rolls back a transaction that someone else still holds a handle to (a handler kept its
 /// [`PgTransaction`]): the session stays read-only, so the handle can write nothing more,
 /// and the connection is closed when the last handle is dropped, never pooled again.
-pub(super) async fn abandon(transaction: Arc<Checkout>) {
+pub(super) async fn abandon(transaction: Arc<RecordTransaction>) {
     let client = transaction.client();
     // A statement of the handle's may still be running, holding locks: cancel it first.
     let _ = client
@@ -479,7 +522,7 @@ pub(super) async fn abandon(transaction: Arc<Checkout>) {
 /// worked. A transaction someone else still holds a handle to (a task the handler spawned, a
 /// handler cut off by a timeout) is abandoned instead: after the rollback gave the session
 /// its default back, that handle could write in autocommit, outside the record.
-pub(super) async fn end(transaction: Arc<Checkout>, statement: &str) {
+pub(super) async fn end(transaction: Arc<RecordTransaction>, statement: &str) {
     if Arc::strong_count(&transaction) > 1 {
         abandon(transaction).await;
         return;
