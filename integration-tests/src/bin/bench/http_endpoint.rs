@@ -50,9 +50,10 @@ pub(crate) async fn run(report: &mut Report) {
         note: Some(
             "Every request carries a new Idempotency-Key; the layered endpoint's row, its stored \
              response and its record commit in one transaction (batched: with the other \
-             requests of its batch). One transaction per request costs three statements and a \
-             round trip of the record's own besides the two inserts; batched, concurrent requests \
-             share them."
+             requests of its batch). The response is written as the record commits \
+             (PgTransaction::defer): one statement per transaction, however many requests it \
+             holds. One transaction per request costs the claim, the response and the checked \
+             commit besides the handler's insert; batched, concurrent requests share them."
                 .into(),
         ),
         plot: Plot::Curves("HTTP: "),
