@@ -133,7 +133,10 @@ pub trait ResponseStore: Clone + Send + Sync + 'static {
     /// does not wait behind it.
     fn interrupt(&self, envelope: &Envelope) -> impl Future<Output = ()> + Send;
 
-    /// Stores `response` as the answer to `envelope`'s key, kept for `expiry`.
+    /// Stores `response` as the answer to `envelope`'s key, kept for `expiry` — or hands it
+    /// to the record's transaction, to be written as that commits (PostgreSQL's
+    /// [`PgResponses`](crate::PgResponses)): either way it exists exactly when the key's
+    /// record committed.
     fn save(
         &self,
         envelope: &Envelope,
