@@ -25,6 +25,16 @@ pub const SOURCE: &str = "x-oncely-source";
 /// Metadata name: the original message's id (AMQP `message_id`, RocketMQ `UNIQ_KEY`); absent
 /// when the message had none.
 pub const MESSAGE_ID: &str = "x-oncely-message-id";
+/// Metadata name: when the delivery was dead-lettered, in milliseconds since the Unix epoch
+/// (decimal), on the consumer's clock. AMQP messages carry no time of their own that a
+/// reader could filter dead letters by.
+pub const DEAD_LETTERED_AT: &str = "x-oncely-dead-lettered-at";
+/// Metadata name, only on a message replayed from a dead-letter destination (`oncely dlq
+/// replay`): the dead letters it was replayed from, oldest first, one per replay separated
+/// by `; `, each `<dead-lettered-at ms> <reason>: <detail>` (each detail cut to 160
+/// characters, the whole to [`MAX_VALUE_CHARS`]). It keeps why the message failed before
+/// while its attempt counter starts afresh.
+pub const HISTORY: &str = "x-oncely-history";
 
 /// Metadata name, only on a dead letter whose body is not the original's: what was done to
 /// it and why, e.g. `kept the first 4194304 of 6291456 bytes: the dead-letter producer's
@@ -78,6 +88,23 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    /// Every reason, in the order of their declaration.
+    pub const ALL: [DeadLetterReason; 8] = [
+        DeadLetterReason::InvalidKey,
+        DeadLetterReason::UnknownState,
+        DeadLetterReason::PayloadMismatch,
+        DeadLetterReason::AttemptsExhausted,
+        DeadLetterReason::Rejected,
+        DeadLetterReason::BadBody,
+        DeadLetterReason::Oversize,
+        DeadLetterReason::DeliveryLimit,
+    ];
+
+    /// The reason whose [`code`](Self::code) is `code`, if any.
+    pub fn from_code(code: &str) -> Option<DeadLetterReason> {
+        Self::ALL.into_iter().find(|reason| reason.code() == code)
+    }
+
     /// A short snake-case code, the value of the [`REASON`] metadata.
     pub fn code(self) -> &'static str {
         match self {
@@ -112,8 +139,8 @@ pub struct Context<'a> {
 
 impl DeadLetter {
     /// The metadata to write on the dead-letter copy, as (name, value) pairs: [`REASON`],
-    /// [`DETAIL`], [`ATTEMPTS`], [`ROUTE`], [`SOURCE`] and, when `context` has one,
-    /// [`MESSAGE_ID`], in that order.
+    /// [`DETAIL`], [`ATTEMPTS`], [`ROUTE`], [`SOURCE`], [`DEAD_LETTERED_AT`] (now) and, when
+    /// `context` has one, [`MESSAGE_ID`], in that order.
     ///
     /// Every value has its control characters replaced by a space and is cut to
     /// [`MAX_VALUE_CHARS`] characters. RocketMQ encodes properties as text separated by the
@@ -128,12 +155,19 @@ impl DeadLetter {
             (ATTEMPTS, context.attempts.to_string()),
             (ROUTE, clean(context.route)),
             (SOURCE, clean(context.source)),
+            (DEAD_LETTERED_AT, unix_millis(std::time::SystemTime::now()).to_string()),
         ];
         if let Some(id) = context.message_id {
             pairs.push((MESSAGE_ID, clean(id)));
         }
         pairs
     }
+}
+
+/// Milliseconds since the Unix epoch; 0 for a clock set before it.
+fn unix_millis(at: std::time::SystemTime) -> u128 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis())
 }
 
 /// A value as the metadata writes it: control characters replaced, at most
@@ -170,8 +204,13 @@ mod tests {
             reason: DeadLetterReason::PayloadMismatch,
             detail: "key order_1 was seen with another payload".into(),
         };
+        let mut metadata = dead.metadata(&context(Some("0190b1c2-id")));
+        let (name, at) = metadata.remove(5);
+        let at: u128 = at.parse().unwrap();
+        let now = unix_millis(std::time::SystemTime::now());
+        assert!(name == DEAD_LETTERED_AT && at <= now && now - at < 60_000, "{name} {at}");
         assert_eq!(
-            dead.metadata(&context(Some("0190b1c2-id"))),
+            metadata,
             [
                 ("x-oncely-reason", "payload_mismatch".to_owned()),
                 (
@@ -190,7 +229,15 @@ mod tests {
             .into_iter()
             .map(|(name, _)| name)
             .collect();
-        assert_eq!(names, [REASON, DETAIL, ATTEMPTS, ROUTE, SOURCE]);
+        assert_eq!(names, [REASON, DETAIL, ATTEMPTS, ROUTE, SOURCE, DEAD_LETTERED_AT]);
+    }
+
+    #[test]
+    fn every_reason_is_read_back_from_its_code() {
+        for reason in DeadLetterReason::ALL {
+            assert_eq!(DeadLetterReason::from_code(reason.code()), Some(reason));
+        }
+        assert_eq!(DeadLetterReason::from_code("panicked"), None);
     }
 
     #[test]
