@@ -269,13 +269,13 @@ pub async fn drain(channel: &Channel, queue: &str) -> Vec<lapin::message::BasicG
     messages
 }
 
-/// The header `name` of a message taken from a queue, as text: strings as they are, numbers
-/// in decimal (the runner's attempt counters), anything else in its debug form.
+/// The header `name` of a message taken from a queue, as text: strings as they are, any
+/// other type in its debug form (`LongLongInt(3)`), so that a test comparing it with the text
+/// oncely writes also checks its type (every value oncely writes is text).
 pub fn header_text(message: &lapin::message::BasicGetMessage, name: &str) -> Option<String> {
     let headers = message.delivery.properties.headers().as_ref()?;
     match headers.inner().get(name)? {
         AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
-        AMQPValue::LongLongInt(number) => Some(number.to_string()),
         other => Some(format!("{other:?}")),
     }
 }

@@ -5,9 +5,11 @@ use lapin::types::{AMQPValue, FieldTable};
 use oncely::{Delivery, Headers, Source};
 use xxhash_rust::xxh3::Xxh3;
 
-/// The header carrying oncely's attempt number on messages the runner sends back for a
-/// retry; absent on a first delivery. Read only under a valid [`SEAL_HEADER`].
-pub const ATTEMPT_HEADER: &str = "x-oncely-attempt";
+/// The header carrying oncely's attempt number, in decimal text: on the runner's retry
+/// copies (sealed, read only under a valid [`SEAL_HEADER`]) and on its dead letters
+/// (unsealed: the attempt it was dead-lettered at). The same name and type as
+/// [`oncely::dead_letter::ATTEMPTS`], which it is; absent on a first delivery.
+pub const ATTEMPT_HEADER: &str = oncely::dead_letter::ATTEMPTS;
 
 /// Header on the runner's copies that come back to it (retries, suspects, deliveries handed
 /// back at shutdown): a checksum over the copy's counters ([`ATTEMPT_HEADER`],
@@ -76,6 +78,15 @@ pub(crate) fn integer_of(value: &AMQPValue) -> Option<i128> {
     })
 }
 
+/// A counter header's value: decimal text, as the runner writes it, or an integer, as
+/// oncely before 0.2 wrote it (such a copy is sealed all the same).
+fn counter_of(value: &AMQPValue) -> Option<i128> {
+    match value {
+        AMQPValue::LongString(text) => std::str::from_utf8(text.as_bytes()).ok()?.parse().ok(),
+        number => integer_of(number),
+    }
+}
+
 /// The runner's counters of one message, carried by its copies under [`SEAL_HEADER`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Counters {
@@ -100,7 +111,7 @@ impl Counters {
             return Counters::FIRST;
         };
         let headers = table.inner();
-        let read = |name: &str| headers.get(name).and_then(integer_of);
+        let read = |name: &str| headers.get(name).and_then(counter_of);
         let Some(attempt) = read(ATTEMPT_HEADER) else {
             return Counters::FIRST;
         };
@@ -123,12 +134,12 @@ impl Counters {
     pub(crate) fn write_sealed(&self, headers: &mut FieldTable, queue: &str, body: &[u8]) {
         headers.insert(
             ATTEMPT_HEADER.into(),
-            AMQPValue::LongLongInt(i64::from(self.attempt)),
+            AMQPValue::LongString(self.attempt.to_string().into()),
         );
         if let Some(returns) = self.returns {
             headers.insert(
                 crate::RETURNS_HEADER.into(),
-                AMQPValue::LongLongInt(i64::from(returns)),
+                AMQPValue::LongString(returns.to_string().into()),
             );
         }
         headers.insert(
@@ -197,7 +208,7 @@ mod tests {
             Counters::FIRST
         );
         let mut forged = sealed.clone();
-        forged.insert(ATTEMPT_HEADER.into(), AMQPValue::LongLongInt(i64::MAX));
+        forged.insert(ATTEMPT_HEADER.into(), AMQPValue::LongString("99".into()));
         assert_eq!(
             Counters::of(&delivery(forged, b"body"), "orders"),
             Counters::FIRST
@@ -210,6 +221,11 @@ mod tests {
             Counters::of(&delivery(unsealed, b"body"), "orders"),
             Counters::FIRST
         );
-        assert_eq!(to_delivery(&delivery(sealed, b"body"), "orders").attempt(), 4);
+        assert_eq!(to_delivery(&delivery(sealed.clone(), b"body"), "orders").attempt(), 4);
+        // Written as text, one type with the dead letters' `x-oncely-attempts`.
+        assert_eq!(
+            sealed.inner().get(ATTEMPT_HEADER),
+            Some(&AMQPValue::LongString("4".into()))
+        );
     }
 }

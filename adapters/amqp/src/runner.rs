@@ -850,12 +850,9 @@ impl Settle<'_> {
                 self.forward(queue, self.sealed_copy(next)).await
             }
             BrokerAction::DeadLetter(dead) => {
-                // Unsealed: replayed from the dead-letter queue, it starts afresh.
+                // Unsealed and without the runner's counter: replayed from the dead-letter
+                // queue, it starts afresh. The attempt it reached is `x-oncely-attempts`.
                 let mut headers = copy_headers(self.delivery);
-                headers.insert(
-                    crate::ATTEMPT_HEADER.into(),
-                    AMQPValue::LongLongInt(i64::from(attempt)),
-                );
                 let message_id = self.delivery.properties.message_id().as_ref();
                 let context = dead_letter::Context {
                     route: self.route,

@@ -213,9 +213,26 @@ impl Topology {
                 .iter()
                 .position(|delay| *delay >= suggested)
                 .unwrap_or(last),
-            None => (attempt.saturating_sub(1) as usize).min(last),
+            None => self.ladder_step(attempt),
         };
         &self.retry_queues[position]
+    }
+
+    /// The position in the ladder of a failed attempt's retry: one step up per attempt,
+    /// the last step repeating.
+    fn ladder_step(&self, attempt: u32) -> usize {
+        (attempt.saturating_sub(1) as usize).min(self.retry_delays.len() - 1)
+    }
+
+    /// How long a delivery that fails every time waits in the retry queues before a route
+    /// allowing `max_attempts` dead-letters it: the ladder's delay for each attempt before
+    /// the last (each failure moves one step up; the last step repeats). The default ladder
+    /// (1 s, 5 s, 30 s, 2 min) with the route's default 16 attempts takes 24 min 36 s, plus
+    /// the handler's own time. Keep the record's retention and the flag's TTL above it.
+    pub fn retry_ladder_total(&self, max_attempts: u32) -> Duration {
+        (1..max_attempts.max(1))
+            .map(|attempt| self.retry_delays[self.ladder_step(attempt)])
+            .sum()
     }
 
     /// The queues a message waits in before it is consumed, in the order it moves through
@@ -315,6 +332,14 @@ fn dead_lettering_to(queue: &str) -> FieldTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ladder_total_is_the_wait_before_a_failing_delivery_is_dead_lettered() {
+        let topology = Topology::new("orders");
+        assert_eq!(topology.retry_ladder_total(16), Duration::from_secs(24 * 60 + 36));
+        assert_eq!(topology.retry_ladder_total(1), Duration::ZERO);
+        assert_eq!(topology.retry_ladder_total(3), Duration::from_secs(6));
+    }
 
     #[test]
     fn retry_queues_follow_the_suggestion_or_the_attempt() {
