@@ -289,6 +289,32 @@ async fn a_panic_at_the_attempt_limit_is_dead_lettered_saying_it_panicked() {
     }
 }
 
+/// `with_max_panic_attempts(1)`: a panic is dead-lettered at once, while another failure of
+/// the same route still gets its retries.
+#[tokio::test]
+async fn a_route_may_dead_letter_panics_sooner_than_other_failures() {
+    let (schema, pool) = stock_schema(2).await;
+    let route = transactional(RecordMode::PerDelivery, &pool, &schema, |envelope: Envelope| async move {
+        insert_stock_move(&envelope).await?;
+        if envelope.key().as_str() == "o-panics" {
+            panic!("index out of bounds");
+        }
+        Err(HandlerError::transient("downstream unavailable"))
+    })
+    .with_max_attempts(3)
+    .with_max_panic_attempts(1);
+    match route.handle(order("o-panics")).await {
+        Outcome::DeadLetter(dead) => {
+            assert_eq!(dead.reason, DeadLetterReason::AttemptsExhausted);
+            assert!(dead.detail.contains("panicked: index out of bounds"), "{dead}");
+        }
+        other => panic!("expected a dead letter at the first panic, got {other}"),
+    }
+    let failed = route.handle(order("o-fails")).await;
+    assert_eq!(failed.retry_reason(), Some(RetryReason::HandlerFailed), "{failed}");
+    assert_eq!(moves_of(&schema, "o-panics").await + moves_of(&schema, "o-fails").await, 0);
+}
+
 #[tokio::test]
 async fn bad_input_is_dead_lettered_before_any_store_round_trip() {
     let (schema, pool) = stock_schema(2).await;

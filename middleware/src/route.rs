@@ -37,6 +37,7 @@ pub struct Route<S> {
     key: KeyExtractor,
     fingerprint: FingerprintPolicy,
     max_attempts: u32,
+    max_panic_attempts: u32,
     max_body_len: usize,
     delivery_limit: Option<DeliveryLimit>,
     stack: S,
@@ -49,6 +50,7 @@ impl<S: Clone> Clone for Route<S> {
             key: self.key.clone(),
             fingerprint: self.fingerprint.clone(),
             max_attempts: self.max_attempts,
+            max_panic_attempts: self.max_panic_attempts,
             max_body_len: self.max_body_len,
             delivery_limit: self.delivery_limit.clone(),
             stack: self.stack.clone(),
@@ -63,6 +65,7 @@ impl<S> fmt::Debug for Route<S> {
             .field("key", &self.key)
             .field("fingerprint", &self.fingerprint)
             .field("max_attempts", &self.max_attempts)
+            .field("max_panic_attempts", &self.max_panic_attempts)
             .field("max_body_len", &self.max_body_len)
             .field("delivery_limit", &self.delivery_limit)
             .finish_non_exhaustive()
@@ -83,6 +86,7 @@ where
             key,
             fingerprint: FingerprintPolicy::whole_body(),
             max_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_panic_attempts: DEFAULT_MAX_ATTEMPTS,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             delivery_limit: None,
             stack,
@@ -125,6 +129,18 @@ where
         self
     }
 
+    /// Dead-letters a delivery whose stack panicked once its attempt number reaches
+    /// `max_panic_attempts` (at most the route's maximum attempts, which is the default).
+    /// A panic is a bug, not a transient failure: a message that panics every time would
+    /// otherwise walk the whole retry ladder (on the AMQP runner's default ladder, 16
+    /// attempts take about 25 minutes) before anyone hears of it. With 1, a panicking
+    /// delivery is dead-lettered at once, as [`DeadLetterReason::AttemptsExhausted`] with
+    /// the panic's message in the detail. Values below 1 are read as 1.
+    pub fn with_max_panic_attempts(mut self, max_panic_attempts: u32) -> Self {
+        self.max_panic_attempts = max_panic_attempts.max(1);
+        self
+    }
+
     /// The route's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -149,20 +165,40 @@ where
             attempt,
             outcome = tracing::field::Empty
         );
+        let message_id = delivery.message_id().map(str::to_owned);
         let outcome = self.run(delivery).instrument(span.clone()).await;
         let outcome = match outcome {
-            Outcome::RetryLater(retry) if attempt >= self.max_attempts && !retry.reason.is_wait() => {
-                Outcome::dead_letter(
-                    DeadLetterReason::AttemptsExhausted,
-                    format!("gave up after {attempt} attempts; last: {retry}"),
-                )
-            }
+            Outcome::RetryLater(retry) if self.attempt_limit(retry.reason).is_some_and(|limit| attempt >= limit) => Outcome::dead_letter(
+                DeadLetterReason::AttemptsExhausted,
+                format!("gave up after {attempt} attempts; last: {retry}"),
+            ),
             outcome => outcome,
         };
         span.record("outcome", tracing::field::display(&outcome));
         span.in_scope(|| tracing::debug!(?outcome, "settled"));
+        if let Outcome::DeadLetter(dead) = &outcome {
+            // At warn whatever the span's level: a dead letter needs someone to look at it.
+            tracing::warn!(
+                route = %self.name,
+                attempt,
+                message_id,
+                reason = dead.reason.code(),
+                detail = %dead.detail,
+                "dead-lettered"
+            );
+        }
         crate::telemetry::count_outcome(&self.name, &outcome);
         outcome
+    }
+
+    /// The attempt at which a retry for `reason` becomes a dead letter instead; `None` for
+    /// a wait, which never does.
+    fn attempt_limit(&self, reason: RetryReason) -> Option<u32> {
+        match reason {
+            reason if reason.is_wait() => None,
+            RetryReason::HandlerPanicked => Some(self.max_panic_attempts.min(self.max_attempts)),
+            _ => Some(self.max_attempts),
+        }
     }
 
     /// The delivery's outcome from the stack, before the attempt limit applies.
