@@ -41,6 +41,7 @@ oncely::store_suite!(record, store);
 
 // Each case on a database of its own: its purge deletes every old `SUCCESS` row.
 oncely::store_suite!(reconcile, store);
+oncely::store_suite!(retention, store);
 
 async fn state_store() -> MysqlStateStore {
     let pool = scratch_database(8).await;

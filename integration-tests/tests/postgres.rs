@@ -284,13 +284,21 @@ async fn a_connection_killed_mid_transaction_retries_later_and_leaves_no_partial
     }
 }
 
-/// The reconciler suite, each case on a record table of its own (its purge deletes every old
-/// `SUCCESS` row of the table).
+/// The reconciler suite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_record_store_passes_the_reconcile_suite() {
     let pool = pool(8);
+    let schema = ScratchSchema::new(&pool).await;
+    oncely::store_suite!(reconcile, run: PgRecordStore::new(pool.clone(), schema.records()));
+}
+
+/// The retention suite, each case on a record table of its own (its purge deletes every old
+/// `SUCCESS` row of the table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_store_passes_the_retention_suite() {
+    let pool = pool(8);
     let mut schemas = Vec::new();
-    oncely::store_suite!(reconcile, run: {
+    oncely::store_suite!(retention, run: {
         let schema = ScratchSchema::new(&pool).await;
         let records = PgRecordStore::new(pool.clone(), schema.records());
         schemas.push(schema);

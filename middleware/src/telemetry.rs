@@ -31,14 +31,14 @@ use crate::tier::Tier;
 #[doc(hidden)]
 pub use recorded::Probe;
 #[cfg(feature = "metrics")]
-pub(crate) use recorded::count_outcome;
+pub(crate) use recorded::{count_outcome, count_purged, count_retention_pass};
 #[cfg(all(feature = "metrics", feature = "prefilter"))]
 pub(crate) use recorded::count_verdict;
 #[cfg(not(feature = "metrics"))]
 #[doc(hidden)]
 pub use silent::Probe;
 #[cfg(not(feature = "metrics"))]
-pub(crate) use silent::count_outcome;
+pub(crate) use silent::{count_outcome, count_purged, count_retention_pass};
 #[cfg(all(not(feature = "metrics"), feature = "prefilter"))]
 pub(crate) use silent::count_verdict;
 
@@ -116,6 +116,19 @@ mod recorded {
             .increment(1);
     }
 
+    /// Counts one retention batch of `table` that deleted `rows`.
+    pub(crate) fn count_purged(table: &str, rows: u64) {
+        let table = table.to_owned();
+        metrics::counter!("oncely_retention_purged_rows_total", "table" => table.clone()).increment(rows);
+        metrics::counter!("oncely_retention_batches_total", "table" => table).increment(1);
+    }
+
+    /// Counts one retention pass over `table` that ended as `result`.
+    pub(crate) fn count_retention_pass(table: &str, result: &'static str) {
+        metrics::counter!("oncely_retention_passes_total", "table" => table.to_owned(), "result" => result)
+            .increment(1);
+    }
+
     /// Counts a pre-filter's verdict for `envelope`: `certainly_new` or `maybe_seen`.
     #[cfg(feature = "prefilter")]
     pub(crate) fn count_verdict(envelope: &Envelope, verdict: &'static str) {
@@ -145,6 +158,8 @@ mod silent {
     }
 
     pub(crate) fn count_outcome(_: &Arc<str>, _: &Outcome) {}
+    pub(crate) fn count_purged(_: &str, _: u64) {}
+    pub(crate) fn count_retention_pass(_: &str, _: &'static str) {}
 
     #[cfg(feature = "prefilter")]
     pub(crate) fn count_verdict(_: &Envelope, _: &'static str) {}

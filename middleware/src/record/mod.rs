@@ -30,6 +30,7 @@
 mod decision;
 mod layer;
 mod reconciler;
+mod retention;
 mod safe;
 mod store;
 
@@ -40,14 +41,14 @@ pub use crate::store::mysql::claims::MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES;
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::record::{
     MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService, MysqlRecordStore,
-    MysqlTransactionalLayer, MysqlTransactionalTicket,
+    MysqlRetentionRunner, MysqlTransactionalLayer, MysqlTransactionalTicket,
 };
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::transaction::MysqlTransaction;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
-    CommitRows, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgTransaction,
-    PgTransactionalLayer, PgTransactionalTicket,
+    CommitRows, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgRetentionRunner,
+    PgTransaction, PgTransactionalLayer, PgTransactionalTicket,
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use crate::store::sql::batched::{
@@ -58,5 +59,6 @@ pub use decision::RecordTicket;
 pub(crate) use decision::fencing_token;
 pub use layer::RecordLayer;
 pub use reconciler::{EffectCheck, ReconcileReport, Reconciler, StuckRecords};
+pub use retention::{DEFAULT_BATCH_ROWS, Retention, RetentionPass, RetentionRunner, RetentionStore};
 pub use safe::{AssertTransactionSafe, TransactionSafe};
 pub use store::{Begin, ConsumptionRecord, RecordStatus, RecordStore};

@@ -1,5 +1,6 @@
-//! Repairs three-step records stuck in `PROCESSING`, and purges old `SUCCESS` rows: the
-//! loop is written once here; each store answers [`StuckRecords`] in its own home.
+//! Repairs three-step records stuck in `PROCESSING`: the loop is written once here; each
+//! store answers [`StuckRecords`] in its own home. Old `SUCCESS` rows are the
+//! [`Retention`](super::Retention) service's.
 
 use std::fmt;
 use std::future::Future;
@@ -14,8 +15,8 @@ use crate::envelope::BusinessKey;
 use crate::error::{BoxError, StoreError};
 
 /// A record store a [`Reconciler`] can repair: it finds three-step records stuck in
-/// `PROCESSING` past their lease, settles one only while it is still that stuck attempt,
-/// and deletes old `SUCCESS` records. `PgRecordStore` and
+/// `PROCESSING` past their lease and settles one only while it is still that stuck attempt.
+/// `PgRecordStore` and
 /// `MysqlRecordStore` implement it.
 pub trait StuckRecords: Send + Sync + 'static {
     /// Up to `limit` records in `PROCESSING` whose lease ran out, oldest lease first: each
@@ -33,10 +34,6 @@ pub trait StuckRecords: Send + Sync + 'static {
         status: RecordStatus,
         note: Option<&str>,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// Deletes up to one slice (a few thousand) of `SUCCESS` records not updated for `age`;
-    /// answers how many. Slices keep each delete's locks and undo log small.
-    fn purge_slice(&self, age: Duration) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 
 /// Answers "did the business effect happen for this key?", from the business's own data
@@ -70,21 +67,18 @@ pub struct ReconcileReport {
     pub changed_meanwhile: usize,
     /// Rows whose check failed: left `PROCESSING` for the next pass.
     pub check_failed: usize,
-    /// `SUCCESS` rows deleted by the retention purge.
-    pub purged: u64,
 }
 
 impl fmt::Display for ReconcileReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "examined {}, marked success {}, released {}, changed meanwhile {}, check failed {}, purged {}",
+            "examined {}, marked success {}, released {}, changed meanwhile {}, check failed {}",
             self.examined,
             self.marked_success,
             self.released,
             self.changed_meanwhile,
-            self.check_failed,
-            self.purged
+            self.check_failed
         )
     }
 }
@@ -93,7 +87,7 @@ impl fmt::Display for ReconcileReport {
 /// mid-handler, or could not mark `SUCCESS` — and settles each from an [`EffectCheck`]:
 /// effect in place → `SUCCESS`; not in place → `FAILURE` (released for retry). A row is
 /// changed only if it is still the same stuck attempt, so a delivery taking it over at the
-/// same moment wins. Optionally purges `SUCCESS` rows older than a retention age.
+/// same moment wins.
 ///
 /// Run it once with [`run_once`](Reconciler::run_once), or every so often with
 /// [`spawn`](Reconciler::spawn). Several reconcilers may run at once: each row change is
@@ -114,17 +108,15 @@ pub struct Reconciler<C, S> {
     records: S,
     check: Arc<C>,
     batch_size: usize,
-    retention: Option<Duration>,
 }
 
 impl<C: EffectCheck, S: StuckRecords + fmt::Debug> Reconciler<C, S> {
-    /// A reconciler of `records` asking `check`. Defaults: 500 rows a pass, no purge.
+    /// A reconciler of `records` asking `check`. Defaults: 500 rows a pass.
     pub fn new(records: S, check: C) -> Self {
         Reconciler {
             records,
             check: Arc::new(check),
             batch_size: 500,
-            retention: None,
         }
     }
 
@@ -134,14 +126,7 @@ impl<C: EffectCheck, S: StuckRecords + fmt::Debug> Reconciler<C, S> {
         self
     }
 
-    /// Deletes `SUCCESS` rows not updated for `age` at each pass. Keep `age` longer than any
-    /// redelivery can come late: a purged key is new again.
-    pub fn with_retention(mut self, age: Duration) -> Self {
-        self.retention = Some(age);
-        self
-    }
-
-    /// One pass: settles up to the batch size of stuck rows, then purges.
+    /// One pass: settles up to the batch size of stuck rows.
     pub async fn run_once(&self) -> Result<ReconcileReport, StoreError> {
         let mut report = ReconcileReport::default();
         for (key, attempt) in self.records.stuck(self.batch_size).await? {
@@ -167,23 +152,7 @@ impl<C: EffectCheck, S: StuckRecords + fmt::Debug> Reconciler<C, S> {
                 (true, _) => report.released += 1,
             }
         }
-        if let Some(age) = self.retention {
-            report.purged = self.purge(age).await?;
-        }
         Ok(report)
-    }
-
-    /// Deletes old `SUCCESS` rows in slices, so one pass never holds a long lock or builds a
-    /// huge transaction.
-    async fn purge(&self, age: Duration) -> Result<u64, StoreError> {
-        let mut purged = 0;
-        loop {
-            let deleted = self.records.purge_slice(age).await?;
-            purged += deleted;
-            if deleted == 0 {
-                return Ok(purged);
-            }
-        }
     }
 
     /// Runs a pass every `every` until `shutdown` is cancelled, logging each report; a failed
@@ -212,7 +181,6 @@ impl<C, S: fmt::Debug> fmt::Debug for Reconciler<C, S> {
         f.debug_struct("Reconciler")
             .field("records", &self.records)
             .field("batch_size", &self.batch_size)
-            .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }

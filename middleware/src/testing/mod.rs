@@ -16,7 +16,7 @@
 //!
 //! `store_suite!(flag, run: STORE)` instead runs every case in turn inside one async test,
 //! each with a fresh `STORE` expression: for a backend whose server the test itself starts
-//! and stops. The suites are `flag`, `lock`, `reconcile`, `record` and `state`, one module
+//! and stops. The suites are `flag`, `lock`, `reconcile`, `record`, `retention` and `state`, one module
 //! each here;
 //! see [`store_suite!`](crate::store_suite).
 //!
@@ -30,6 +30,7 @@ pub mod flag;
 pub mod lock;
 pub mod reconcile;
 pub mod record;
+pub mod retention;
 pub mod state;
 
 /// A key unique to this run: `name` plus a random suffix.
@@ -37,9 +38,10 @@ pub fn unique(name: &str) -> String {
     format!("{name}-{}", crate::Token::random())
 }
 
-/// Runs one store suite against a backend: `flag`, `lock`, `reconcile`, `record` or
-/// `state`, for the store traits of the flag, lock, record and state guard tiers and the
-/// record's [`Reconciler`](crate::record::Reconciler).
+/// Runs one store suite against a backend: `flag`, `lock`, `reconcile`, `record`,
+/// `retention` or `state`, for the store traits of the flag, lock, record and state guard
+/// tiers, the record's [`Reconciler`](crate::record::Reconciler) and its
+/// [`Retention`](crate::record::Retention).
 ///
 /// `store_suite!(flag, make)` generates one `#[tokio::test]` per case, in a module `flag`,
 /// each with the store the async function `make` returns. Inside an async test,
@@ -58,7 +60,10 @@ macro_rules! store_suite {
         $crate::__store_suite!(record, ($($how)*), [one_of_many_concurrent_begins_starts, one_of_many_concurrent_takeovers_starts, a_succeeded_record_is_done, a_failed_record_is_taken_over, another_payload_is_a_conflict, an_unchecked_fingerprint_is_never_a_conflict, a_processing_record_is_taken_over_after_its_lease, a_stale_fencing_token_cannot_take_over]);
     };
     (reconcile, $($how:tt)*) => {
-        $crate::__store_suite!(reconcile, ($($how)*), [stuck_records_are_settled_from_the_effect_check, a_record_taken_over_during_the_check_is_left_alone, the_purge_deletes_only_success_records_past_the_retention]);
+        $crate::__store_suite!(reconcile, ($($how)*), [stuck_records_are_settled_from_the_effect_check, a_record_taken_over_during_the_check_is_left_alone]);
+    };
+    (retention, $($how:tt)*) => {
+        $crate::__store_suite!(retention, ($($how)*), [the_purge_deletes_only_success_records_past_the_retention, one_runner_purges_at_a_time]);
     };
     (state, $($how:tt)*) => {
         $crate::__store_suite!(state, ($($how)*), [compare_and_set_moves_only_from_the_expected_state, one_of_many_concurrent_transitions_applies]);

@@ -1,5 +1,4 @@
-//! What every record store a [`Reconciler`] repairs ([`StuckRecords`]) must do. Each case
-//! needs a record table of its own: the purge deletes every old `SUCCESS` row in it.
+//! What every record store a [`Reconciler`] repairs ([`StuckRecords`]) must do.
 
 use std::fmt;
 use std::sync::Arc;
@@ -96,35 +95,4 @@ where
     assert_eq!(report.changed_meanwhile, 1, "{report}");
     let record = store.get(&key).await.unwrap().expect("a record");
     assert_eq!((record.status, record.attempts), (RecordStatus::Processing, 2));
-}
-
-/// The purge deletes `SUCCESS` records past the retention, and nothing else.
-pub async fn the_purge_deletes_only_success_records_past_the_retention<S>(store: S)
-where
-    S: RecordStore + StuckRecords + fmt::Debug,
-{
-    let fingerprint = Fingerprint::of(b"x");
-    let lease = Duration::from_secs(60);
-    let (done, failed, running) = (
-        BusinessKey::new(unique("done")),
-        BusinessKey::new(unique("failed")),
-        BusinessKey::new(unique("running")),
-    );
-    for key in [&done, &failed, &running] {
-        store.begin(key, fingerprint, lease, None).await.unwrap();
-    }
-    assert!(store.succeed(&done, 1).await.unwrap());
-    assert!(store.fail(&failed, 1, "boom").await.unwrap());
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let never_checked = |_: BusinessKey| async { Ok::<bool, BoxError>(true) };
-    let purging = Reconciler::new(store.clone(), never_checked).with_retention(Duration::from_millis(10));
-    assert_eq!(purging.run_once().await.unwrap().purged, 1);
-    assert_eq!(store.get(&done).await.unwrap(), None);
-    assert!(store.get(&failed).await.unwrap().is_some());
-    assert!(store.get(&running).await.unwrap().is_some());
-    // Within the retention, nothing goes.
-    store.begin(&done, fingerprint, lease, None).await.unwrap();
-    assert!(store.succeed(&done, 1).await.unwrap());
-    let keeping = Reconciler::new(store.clone(), never_checked).with_retention(Duration::from_secs(3600));
-    assert_eq!(keeping.run_once().await.unwrap().purged, 0);
 }

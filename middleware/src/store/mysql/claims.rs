@@ -62,7 +62,7 @@ pub(crate) struct Statements {
     insert_new_head: String,
     /// The same without `IGNORE`, which a key taken in between fails whole ([`claim_many`]).
     insert_rows_head: String,
-    /// Deletes up to 5,000 `SUCCESS` rows not updated for `?` µs, oldest first (an ordered
+    /// Deletes up to `?` (the second) `SUCCESS` rows not updated for `?` (the first) µs, oldest first (an ordered
     /// `LIMIT` is deterministic, so statement-based replication may log it).
     pub(crate) purge: String,
 }
@@ -134,7 +134,7 @@ impl Statements {
             purge: format!(
                 "DELETE FROM {table}
                  WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-                 ORDER BY updated_at LIMIT 5000"
+                 ORDER BY updated_at LIMIT ?"
             ),
         })
     }

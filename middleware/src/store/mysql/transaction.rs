@@ -240,14 +240,14 @@ impl Drop for OpenTransaction {
 /// A connection on its way into an XA transaction: closed, not pooled, if dropped before
 /// [`keep`](Unpooled::keep) — a timeout that drops the future while `XA START` is on the wire
 /// would otherwise pool it with the transaction open, and the next user's writes would join it.
-struct Unpooled(Option<PoolConnection<MySql>>);
+pub(crate) struct Unpooled(pub(crate) Option<PoolConnection<MySql>>);
 
 impl Unpooled {
-    fn get(&mut self) -> &mut PoolConnection<MySql> {
+    pub(crate) fn get(&mut self) -> &mut PoolConnection<MySql> {
         self.0.as_mut().expect("taken only by keep")
     }
 
-    fn keep(mut self) -> Option<PoolConnection<MySql>> {
+    pub(crate) fn keep(mut self) -> Option<PoolConnection<MySql>> {
         self.0.take()
     }
 }

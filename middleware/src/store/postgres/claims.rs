@@ -36,7 +36,7 @@ pub(crate) struct Statements {
     pub(crate) stuck: String,
     /// The reconciler's verdict on one stuck row, only if it is still that stuck attempt.
     pub(crate) reconcile: String,
-    /// Deletes up to 5,000 `SUCCESS` rows older than `$1` ms.
+    /// Deletes up to `$2` `SUCCESS` rows not updated for `$1` ms.
     pub(crate) purge: String,
     /// A page of `SUCCESS` keys settled within `$1` seconds, after id `$2`, `$3` rows.
     #[cfg(feature = "prefilter")]
@@ -98,7 +98,7 @@ impl Statements {
             purge: format!(
                 "DELETE FROM {table} WHERE id IN (
                      SELECT id FROM {table} WHERE status = 'SUCCESS'
-                       AND updated_at < now() - $1::bigint * interval '1 millisecond' LIMIT 5000)"
+                       AND updated_at < now() - $1::bigint * interval '1 millisecond' LIMIT $2)"
             ),
             #[cfg(feature = "prefilter")]
             recent_successes: format!(

@@ -1,6 +1,7 @@
 //! The record tier on MySQL and MariaDB: the three-step store and the transactional mode.
 
 mod batched;
+mod retention;
 mod transactional;
 
 use std::fmt;
@@ -10,6 +11,7 @@ use std::time::Duration;
 use sqlx::MySqlPool;
 
 pub use self::batched::{MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService};
+pub use self::retention::MysqlRetentionRunner;
 pub use self::transactional::{MysqlTransactionalLayer, MysqlTransactionalTicket};
 use super::Table;
 use super::claims::{Statements, check_key_len, claim, claim_many, kept_error, key_of, read_record};
@@ -18,7 +20,7 @@ use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
 use crate::store::sql::coalesce::{ClaimMany, Coalescer};
-use crate::store::sql::{ClaimRequest, micros, to_i64};
+use crate::store::sql::{ClaimRequest, to_i64};
 
 /// A three-step [`RecordStore`] on MySQL 8 or MariaDB, shared by every consumer process.
 ///
@@ -227,13 +229,5 @@ impl StuckRecords for MysqlRecordStore {
             .execute(&self.pool)
             .await?;
         Ok(settled.rows_affected() == 1)
-    }
-
-    async fn purge_slice(&self, age: Duration) -> Result<u64, StoreError> {
-        let purged = sqlx::query(&self.statements.purge)
-            .bind(micros(age))
-            .execute(&self.pool)
-            .await?;
-        Ok(purged.rows_affected())
     }
 }

@@ -17,6 +17,7 @@
 
 mod batched;
 mod commit_rows;
+mod retention;
 mod transactional;
 
 use std::fmt;
@@ -27,6 +28,7 @@ use deadpool_postgres::Pool;
 
 pub use self::batched::{PgBatchHandlerService, PgBatchedLayer, PgBatchedService};
 pub use self::commit_rows::CommitRows;
+pub use self::retention::PgRetentionRunner;
 pub use self::transactional::{PgTransaction, PgTransactionalLayer, PgTransactionalTicket};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
@@ -210,14 +212,6 @@ impl StuckRecords for PgRecordStore {
                 )
                 .await?;
             Ok(changed == 1)
-        })
-        .await
-    }
-
-    async fn purge_slice(&self, age: Duration) -> Result<u64, StoreError> {
-        let age_ms = to_i64(age.as_millis() as u64);
-        Checkout::run(&self.pool, async |client| {
-            Ok(client.execute(&self.statements.purge, &[&age_ms]).await?)
         })
         .await
     }

@@ -1,0 +1,75 @@
+//! The retention service's lease and batches on PostgreSQL: a session advisory lock per
+//! record table, held by the connection that purges.
+
+use std::time::Duration;
+
+use super::PgRecordStore;
+use crate::error::StoreError;
+use crate::record::{RetentionRunner, RetentionStore};
+use crate::store::postgres::Checkout;
+use crate::store::postgres::claims::to_i64;
+
+/// Holds the table's purge lease on its connection until it steps down.
+pub struct PgRetentionRunner {
+    checkout: Checkout,
+    purge: String,
+    lease: String,
+}
+
+impl RetentionStore for PgRecordStore {
+    type Runner = PgRetentionRunner;
+
+    async fn lead(&self) -> Result<Option<PgRetentionRunner>, StoreError> {
+        let checkout = Checkout::get(&self.pool).await?;
+        // A session lock, not a transaction's: it must span the pass's many short
+        // transactions, one per batch. Keyed by the table, so routes on other tables purge
+        // side by side.
+        let lease = format!("oncely.retention:{}", self.table);
+        let row = checkout
+            .client()
+            .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&lease])
+            .await?;
+        let held: bool = row.get(0);
+        if !held {
+            checkout.mark_clean();
+            return Ok(None);
+        }
+        Ok(Some(PgRetentionRunner {
+            checkout,
+            purge: self.statements.purge.clone(),
+            lease,
+        }))
+    }
+
+    fn name(&self) -> String {
+        self.table.to_string()
+    }
+}
+
+/// Each batch is one autocommit `DELETE`. The checkout stays unclean while the lease is
+/// held: dropped mid-pass, its connection is closed rather than pooled, and the server lets
+/// the lock go with the session.
+impl RetentionRunner for PgRetentionRunner {
+    async fn purge_batch(&mut self, age: Duration, rows: u32) -> Result<u64, StoreError> {
+        let age_ms = to_i64(age.as_millis() as u64);
+        let client = self.checkout.client();
+        Ok(client.execute(&self.purge, &[&age_ms, &i64::from(rows)]).await?)
+    }
+
+    async fn step_down(self) -> Result<(), StoreError> {
+        let client = self.checkout.client();
+        client
+            .execute("SELECT pg_advisory_unlock(hashtext($1))", &[&self.lease])
+            .await?;
+        self.checkout.mark_clean();
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for PgRetentionRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgRetentionRunner")
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
