@@ -117,7 +117,7 @@ impl ScratchRocketMq {
 
     /// The dead-letter destination of the test's listener.
     pub fn dead_letters(&self) -> DeadLetterTopic {
-        DeadLetterTopic::new(self.producer(), self.dead_letter_topic.clone())
+        DeadLetterTopic::new((*self.producer).clone(), self.dead_letter_topic.clone())
     }
 
     /// A message for the test's topic.

@@ -1,7 +1,6 @@
 //! The dead-letter destination: a topic of the user's, with the reason in properties.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,18 +29,25 @@ use crate::error::Error;
 ///
 /// This is not RocketMQ's own `%DLQ%<group>` topic: that one takes messages whose
 /// retries ran out (maxReconsumeTimes) and carries no reason. The topic is created on first
-/// send when the broker auto-creates topics; otherwise create it beforehand.
+/// send when the broker auto-creates topics (`autoCreateTopicEnable`, on by default);
+/// otherwise create it beforehand, or every dead letter fails to send and its original is
+/// retried instead.
+///
+/// Shut it down ([`shutdown`](Self::shutdown)) after the consumers whose listeners use it,
+/// and before the client runtime: a producer left running keeps the runtime's shutdown
+/// waiting for its tasks (30 s with `rocketmq-client-rust` 1.0).
 #[derive(Clone)]
 pub struct DeadLetterTopic {
-    producer: Arc<DefaultMQProducer>,
+    producer: DefaultMQProducer,
     topic: String,
     send_timeout: Duration,
 }
 
 impl DeadLetterTopic {
-    /// Dead letters go to `topic` through `producer`, which must be started. The send
+    /// Dead letters go to `topic` through `producer`, which must be started (clones of a
+    /// producer share its connections: this may be the one your code sends with). The send
     /// timeout defaults to 3 s.
-    pub fn new(producer: Arc<DefaultMQProducer>, topic: impl Into<String>) -> Self {
+    pub fn new(producer: DefaultMQProducer, topic: impl Into<String>) -> Self {
         DeadLetterTopic {
             producer,
             topic: topic.into(),
@@ -58,6 +64,13 @@ impl DeadLetterTopic {
     /// The topic dead letters go to.
     pub fn topic(&self) -> &str {
         &self.topic
+    }
+
+    /// Shuts the producer down (every clone of it: they share one). Call it once the
+    /// consumers whose listeners write here are shut down; a dead letter sent after it
+    /// fails, and its original is retried.
+    pub async fn shutdown(&self) {
+        self.producer.clone().shutdown().await;
     }
 
     /// Writes a copy of `message` with the dead letter's metadata to the topic and waits for

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use oncely::report::{InFlight, RunReport, Tally};
 use rocketmq_client_rust::{DefaultMQAdminExt, MQAdminReadExt};
@@ -57,8 +57,17 @@ impl Progress {
     /// listener (its listener lane full; see [`OwnedClientRuntime`]) and messages without a
     /// `UNIQ_KEY` (not sent by a RocketMQ producer) are not tracked while they wait in the
     /// broker's schedule.
+    ///
+    /// While the lag stays unknown — a topic mistyped or never sent to, a group that has
+    /// not committed yet — it says so at warn every [`UNKNOWN_LAG_WARN_EVERY`], naming the
+    /// topic and group it waits for.
     pub async fn wait_until_drained(&self, idle: Duration, lag: &GroupLag) -> RunReport {
-        let drained = || async { self.awaiting().is_empty() && matches!(lag.pending().await, Ok(Some(0))) };
+        let warned = Mutex::new(None);
+        let drained = || async {
+            let pending = lag.pending().await;
+            lag.warn_while_unknown(&pending, &mut lock(&warned));
+            self.awaiting().is_empty() && matches!(pending, Ok(Some(0)))
+        };
         self.tally.wait_until_drained(idle, drained).await;
         self.report()
     }
@@ -90,12 +99,17 @@ impl Progress {
     }
 
     fn awaiting(&self) -> MutexGuard<'_, HashMap<String, usize>> {
-        // Nothing panics while holding the lock; a poisoned set is still the right set.
-        self.awaiting_retry
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.awaiting_retry)
     }
 }
+
+/// Nothing panics while holding these locks; a poisoned value is still the right value.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// How often a drain whose group lag is unknown says so.
+pub const UNKNOWN_LAG_WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// How many messages a consumer group has not consumed yet, of its topic and of its retry
 /// topic (`%RETRY%<group>`), from the broker's consume stats (an admin client on the
@@ -145,6 +159,32 @@ impl GroupLag {
             }
         };
         Ok(Some(in_topic + in_retries))
+    }
+
+    /// Warns every [`UNKNOWN_LAG_WARN_EVERY`] while `pending` stays unknown or failed;
+    /// `warned` is when it last warned (or the lag became unknown), cleared once it is known.
+    fn warn_while_unknown(&self, pending: &Result<Option<u64>, Error>, warned: &mut Option<Instant>) {
+        if let Ok(Some(_)) = pending {
+            *warned = None;
+            return;
+        }
+        let last = *warned.get_or_insert_with(Instant::now);
+        if last.elapsed() < UNKNOWN_LAG_WARN_EVERY {
+            return;
+        }
+        *warned = Some(Instant::now());
+        let [topic, _] = &self.topics;
+        let why = match pending {
+            Err(error) => error.to_string(),
+            Ok(_) => "the broker lists no queue of the topic for the group".to_owned(),
+        };
+        tracing::warn!(
+            topic,
+            group = %self.group,
+            why,
+            "drain: the group's lag is unknown, still waiting; is the topic's name right, has anything been \
+             sent to it, and has the group consumed and committed once?"
+        );
     }
 
     /// [`pending`](GroupLag::pending) for one topic.

@@ -7,8 +7,6 @@
 //!
 //! ```no_run
 //! # async fn run(route: oncely::Route<oncely::HandlerFn<fn(oncely::Envelope) -> std::future::Ready<Result<(), oncely::HandlerError>>>>) -> Result<(), oncely_rocketmq::Error> {
-//! use std::sync::Arc;
-//!
 //! use oncely_rocketmq::{ConcurrentListener, DeadLetterTopic, OwnedClientRuntime};
 //! use rocketmq_client_rust::{DefaultMQProducer, DefaultMQPushConsumer, MQPushConsumer};
 //!
@@ -18,7 +16,7 @@
 //!     .name_server_addr("127.0.0.1:9876".to_string())
 //!     .build();
 //! producer.start().await?;
-//! let dead_letters = DeadLetterTopic::new(Arc::new(producer), "points_dead_letters");
+//! let dead_letters = DeadLetterTopic::new(producer, "points_dead_letters");
 //!
 //! let mut consumer = DefaultMQPushConsumer::builder(runtime.client_runtime())
 //!     .consumer_group("points".to_string())
@@ -28,9 +26,13 @@
 //! consumer.register_message_listener_concurrently(ConcurrentListener::new(
 //!     route,
 //!     tokio::runtime::Handle::current(),
-//!     dead_letters,
+//!     dead_letters.clone(),
 //! ));
 //! consumer.start().await?;
+//! // … and at the end, in this order, so that the runtime's shutdown does not wait:
+//! consumer.shutdown().await;
+//! dead_letters.shutdown().await;
+//! runtime.shutdown().await;
 //! # Ok(()) }
 //! ```
 //!
@@ -49,7 +51,7 @@ mod runtime;
 
 pub use convert::to_delivery;
 pub use dead_letter::DeadLetterTopic;
-pub use drain::{GroupLag, Progress};
+pub use drain::{GroupLag, Progress, UNKNOWN_LAG_WARN_EVERY};
 pub use error::Error;
 pub use listener::{ConcurrentListener, OrderlyListener};
 pub use runtime::{LISTENER_CONCURRENCY, LISTENER_QUEUE_DEPTH, OwnedClientRuntime};

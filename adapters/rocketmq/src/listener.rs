@@ -363,7 +363,7 @@ mod tests {
         let listener = Arc::new(OrderlyListener::new(
             route,
             Handle::current(),
-            DeadLetterTopic::new(Arc::new(producer), "orders_dead_letters"),
+            DeadLetterTopic::new(producer, "orders_dead_letters"),
         ));
         let consume = |listener: &OrderlyListener<_>| {
             let message = message();

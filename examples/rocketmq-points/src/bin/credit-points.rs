@@ -11,7 +11,6 @@
 //! points to the user's balance, both in the transaction. Dead letters go to
 //! `rocketmq_points_dead_letters`, with their reasons counted in the report.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use oncely::deliveries::RedisDeliveryCounter;
@@ -124,8 +123,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .with_delivery_limit(RedisDeliveryCounter::new(redis).with_prefix("rocketmq-points"), 5);
 
     let (runtime, producer) = start_producer("rocketmq_points_dead_letters").await?;
-    let dead_letters = DeadLetterTopic::new(Arc::new(producer), DEAD_LETTER_TOPIC);
-    let listener = ConcurrentListener::new(route, tokio::runtime::Handle::current(), dead_letters);
+    let dead_letters = DeadLetterTopic::new(producer, DEAD_LETTER_TOPIC);
+    let listener = ConcurrentListener::new(route, tokio::runtime::Handle::current(), dead_letters.clone());
     let progress = listener.progress();
     let mut payments = DefaultMQPushConsumer::builder(runtime.client_runtime())
         .consumer_group(GROUP.to_owned())
@@ -146,6 +145,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         progress.report()
     };
     payments.shutdown().await;
+    // Before the runtime, which otherwise waits 30 s for the running producer's tasks.
+    dead_letters.shutdown().await;
     println!("{report}");
 
     check_balances(&pool).await?;
