@@ -3,14 +3,18 @@
 //! The README's first consumer: credits each red packet of the `red-packets` queue to its
 //! user's wallet once — the Redis flag in front of the PostgreSQL record, whose transaction
 //! also holds the wallet update — and stops once the queue is drained, printing the report.
-//! Settings: `AMQP_ADDR`, `REDIS_URL`, `DATABASE_URL` (loopback defaults).
+//! Settings: `AMQP_ADDR`, `REDIS_URL`, `DATABASE_URL` (loopback defaults). Whole: paste it
+//! into a new crate's `main.rs` with this crate's dependencies and it runs.
 
 use std::time::Duration;
 
-use first_consumer::{CREDIT, amqp, redis, setup};
 use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::postgres::deadpool_postgres::tokio_postgres::NoTls;
+use oncely::postgres::deadpool_postgres::{Manager, Pool};
+use oncely::postgres::{Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::{HandlerError, Json, KeyExtractor, Route};
+use oncely_amqp::lapin::{Connection, ConnectionProperties};
 use oncely_amqp::{Runner, Topology};
 use tower::ServiceBuilder;
 
@@ -20,6 +24,9 @@ struct RedPacket {
     cents: u32,
 }
 
+const CREDIT: &str = "INSERT INTO red_packets.wallets (user_id, cents) VALUES ($1, $2)
+     ON CONFLICT (user_id) DO UPDATE SET cents = wallets.cents + EXCLUDED.cents";
+
 // A body that is not a RedPacket (negative cents too) is dead-lettered as `bad_body`.
 async fn credit(tx: PgTransaction, Json(packet): Json<RedPacket>) -> Result<(), HandlerError> {
     tx.execute(CREDIT, &[&packet.user, &i64::from(packet.cents)])
@@ -27,14 +34,35 @@ async fn credit(tx: PgTransaction, Json(packet): Json<RedPacket>) -> Result<(), 
     Ok(())
 }
 
+fn setting(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (pool, records) = setup().await?;
-    let flag = FlagLayer::new(RedisFlagStore::new(redis().await?), Duration::from_secs(3600));
+    // oncely logs through `tracing`: dead letters and panics at warn and error.
+    tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
+
+    let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let pool = Pool::builder(Manager::new(url.parse()?, NoTls)).max_size(16).build()?;
+    // The record table, and the wallets the handler credits (both idempotent).
+    let records = Table::new("red_packets", "consumption_record")?;
+    migrate(&pool, &records).await?;
+    let wallets = "CREATE TABLE IF NOT EXISTS red_packets.wallets (user_id TEXT PRIMARY KEY, cents BIGINT NOT NULL)";
+    pool.get().await?.batch_execute(wallets).await?;
+
+    let redis_url = setting("REDIS_URL", "redis://127.0.0.1:6379");
+    let redis = oncely::redis::Client::open(redis_url)?.get_connection_manager().await?;
+    let flag = FlagLayer::new(RedisFlagStore::new(redis), Duration::from_secs(3600));
     let stack = ServiceBuilder::new()
         .layer(flag.with_record_behind())
         .service(PgTransactionalLayer::new(pool, records).handler(credit));
     let route = Route::new("credit", KeyExtractor::json_pointer("/packetId"), stack);
+
+    // The runner declares the topology's queues when it starts (a producer that may send
+    // first declares the same `Topology`), and reconnects with `amqp` when the connection drops.
+    let amqp_addr = setting("AMQP_ADDR", "amqp://guest:guest@127.0.0.1:5672/%2f");
+    let amqp = || Connection::connect(&amqp_addr, ConnectionProperties::default());
     let runner = Runner::new(route, Topology::new("red-packets")).with_drain(Duration::from_secs(2));
     let report = runner.run_with_reconnect(amqp, &Default::default()).await?;
     println!("{report}");
