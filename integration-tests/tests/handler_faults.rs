@@ -294,13 +294,18 @@ async fn a_panic_at_the_attempt_limit_is_dead_lettered_saying_it_panicked() {
 #[tokio::test]
 async fn a_route_may_dead_letter_panics_sooner_than_other_failures() {
     let (schema, pool) = stock_schema(2).await;
-    let route = transactional(RecordMode::PerDelivery, &pool, &schema, |envelope: Envelope| async move {
-        insert_stock_move(&envelope).await?;
-        if envelope.key().as_str() == "o-panics" {
-            panic!("index out of bounds");
-        }
-        Err(HandlerError::transient("downstream unavailable"))
-    })
+    let route = transactional(
+        RecordMode::PerDelivery,
+        &pool,
+        &schema,
+        |envelope: Envelope| async move {
+            insert_stock_move(&envelope).await?;
+            if envelope.key().as_str() == "o-panics" {
+                panic!("index out of bounds");
+            }
+            Err(HandlerError::transient("downstream unavailable"))
+        },
+    )
     .with_max_attempts(3)
     .with_max_panic_attempts(1);
     match route.handle(order("o-panics")).await {
@@ -311,8 +316,15 @@ async fn a_route_may_dead_letter_panics_sooner_than_other_failures() {
         other => panic!("expected a dead letter at the first panic, got {other}"),
     }
     let failed = route.handle(order("o-fails")).await;
-    assert_eq!(failed.retry_reason(), Some(RetryReason::HandlerFailed), "{failed}");
-    assert_eq!(moves_of(&schema, "o-panics").await + moves_of(&schema, "o-fails").await, 0);
+    assert_eq!(
+        failed.retry_reason(),
+        Some(RetryReason::HandlerFailed),
+        "{failed}"
+    );
+    assert_eq!(
+        moves_of(&schema, "o-panics").await + moves_of(&schema, "o-fails").await,
+        0
+    );
 }
 
 #[tokio::test]

@@ -314,7 +314,8 @@ async fn a_dead_letter_the_broker_does_not_store_is_retried_not_acknowledged() {
         ServiceBuilder::new().layer(log.clone()).service(handler),
     );
     // A topic name RocketMQ refuses, so that every dead-letter send fails.
-    let unstorable = oncely_rocketmq::DeadLetterTopic::new((*rocketmq.producer()).clone(), "no spaces allowed");
+    let unstorable =
+        oncely_rocketmq::DeadLetterTopic::new((*rocketmq.producer()).clone(), "no spaces allowed");
     let listener = ConcurrentListener::new(route, Handle::current(), unstorable);
     let (topic, group) = (rocketmq.topic.clone(), rocketmq.group.clone());
     rocketmq.consume_concurrently(&topic, &group, listener).await;

@@ -155,7 +155,10 @@ impl DeadLetter {
             (ATTEMPTS, context.attempts.to_string()),
             (ROUTE, clean(context.route)),
             (SOURCE, clean(context.source)),
-            (DEAD_LETTERED_AT, unix_millis(std::time::SystemTime::now()).to_string()),
+            (
+                DEAD_LETTERED_AT,
+                unix_millis(std::time::SystemTime::now()).to_string(),
+            ),
         ];
         if let Some(id) = context.message_id {
             pairs.push((MESSAGE_ID, clean(id)));
@@ -208,7 +211,10 @@ mod tests {
         let (name, at) = metadata.remove(5);
         let at: u128 = at.parse().unwrap();
         let now = unix_millis(std::time::SystemTime::now());
-        assert!(name == DEAD_LETTERED_AT && at <= now && now - at < 60_000, "{name} {at}");
+        assert!(
+            name == DEAD_LETTERED_AT && at <= now && now - at < 60_000,
+            "{name} {at}"
+        );
         assert_eq!(
             metadata,
             [

@@ -168,10 +168,16 @@ where
         let message_id = delivery.message_id().map(str::to_owned);
         let outcome = self.run(delivery).instrument(span.clone()).await;
         let outcome = match outcome {
-            Outcome::RetryLater(retry) if self.attempt_limit(retry.reason).is_some_and(|limit| attempt >= limit) => Outcome::dead_letter(
-                DeadLetterReason::AttemptsExhausted,
-                format!("gave up after {attempt} attempts; last: {retry}"),
-            ),
+            Outcome::RetryLater(retry)
+                if self
+                    .attempt_limit(retry.reason)
+                    .is_some_and(|limit| attempt >= limit) =>
+            {
+                Outcome::dead_letter(
+                    DeadLetterReason::AttemptsExhausted,
+                    format!("gave up after {attempt} attempts; last: {retry}"),
+                )
+            }
             outcome => outcome,
         };
         span.record("outcome", tracing::field::display(&outcome));

@@ -30,17 +30,17 @@ use crate::tier::Tier;
 #[cfg(feature = "metrics")]
 #[doc(hidden)]
 pub use recorded::Probe;
-#[cfg(feature = "metrics")]
-pub(crate) use recorded::{count_outcome, count_purged, count_retention_pass};
 #[cfg(all(feature = "metrics", feature = "prefilter"))]
 pub(crate) use recorded::count_verdict;
+#[cfg(feature = "metrics")]
+pub(crate) use recorded::{count_outcome, count_purged, count_retention_pass};
 #[cfg(not(feature = "metrics"))]
 #[doc(hidden)]
 pub use silent::Probe;
-#[cfg(not(feature = "metrics"))]
-pub(crate) use silent::{count_outcome, count_purged, count_retention_pass};
 #[cfg(all(not(feature = "metrics"), feature = "prefilter"))]
 pub(crate) use silent::count_verdict;
+#[cfg(not(feature = "metrics"))]
+pub(crate) use silent::{count_outcome, count_purged, count_retention_pass};
 
 #[cfg(feature = "metrics")]
 mod recorded {

@@ -221,7 +221,10 @@ mod tests {
             Counters::of(&delivery(unsealed, b"body"), "orders"),
             Counters::FIRST
         );
-        assert_eq!(to_delivery(&delivery(sealed.clone(), b"body"), "orders").attempt(), 4);
+        assert_eq!(
+            to_delivery(&delivery(sealed.clone(), b"body"), "orders").attempt(),
+            4
+        );
         // Written as text, one type with the dead letters' `x-oncely-attempts`.
         assert_eq!(
             sealed.inner().get(ATTEMPT_HEADER),

@@ -11,6 +11,7 @@ pub const QUEUE: &str = "red-packets";
 
 /// A connection to RabbitMQ at `AMQP_ADDR` (default: the loopback broker).
 pub async fn amqp() -> Result<Connection, oncely_amqp::lapin::Error> {
-    let address = std::env::var("AMQP_ADDR").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let address =
+        std::env::var("AMQP_ADDR").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     Connection::connect(&address, ConnectionProperties::default()).await
 }

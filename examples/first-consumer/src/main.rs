@@ -41,18 +41,25 @@ fn setting(name: &str, default: &str) -> String {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // oncely logs through `tracing`: dead letters and panics at warn and error.
-    tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .init();
 
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let pool = Pool::builder(Manager::new(url.parse()?, NoTls)).max_size(16).build()?;
+    let pool = Pool::builder(Manager::new(url.parse()?, NoTls))
+        .max_size(16)
+        .build()?;
     // The record table, and the wallets the handler credits (both idempotent).
     let records = Table::new("red_packets", "consumption_record")?;
     migrate(&pool, &records).await?;
-    let wallets = "CREATE TABLE IF NOT EXISTS red_packets.wallets (user_id TEXT PRIMARY KEY, cents BIGINT NOT NULL)";
+    let wallets =
+        "CREATE TABLE IF NOT EXISTS red_packets.wallets (user_id TEXT PRIMARY KEY, cents BIGINT NOT NULL)";
     pool.get().await?.batch_execute(wallets).await?;
 
     let redis_url = setting("REDIS_URL", "redis://127.0.0.1:6379");
-    let redis = oncely::redis::Client::open(redis_url)?.get_connection_manager().await?;
+    let redis = oncely::redis::Client::open(redis_url)?
+        .get_connection_manager()
+        .await?;
     let flag = FlagLayer::new(RedisFlagStore::new(redis), Duration::from_secs(3600));
     let stack = ServiceBuilder::new()
         .layer(flag.with_record_behind())

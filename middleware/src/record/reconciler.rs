@@ -74,11 +74,7 @@ impl fmt::Display for ReconcileReport {
         write!(
             f,
             "examined {}, marked success {}, released {}, changed meanwhile {}, check failed {}",
-            self.examined,
-            self.marked_success,
-            self.released,
-            self.changed_meanwhile,
-            self.check_failed
+            self.examined, self.marked_success, self.released, self.changed_meanwhile, self.check_failed
         )
     }
 }

@@ -36,7 +36,11 @@ pub trait RetentionStore: Send + Sync + 'static {
 pub trait RetentionRunner: Send {
     /// Deletes up to `rows` `SUCCESS` records not updated for `age`, in one statement of its
     /// own transaction; answers how many went.
-    fn purge_batch(&mut self, age: Duration, rows: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
+    fn purge_batch(
+        &mut self,
+        age: Duration,
+        rows: u32,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Gives the lease back. A runner dropped without it closes its session instead,
     /// which gives the lease back as well.
@@ -63,7 +67,11 @@ pub enum RetentionPass {
 impl fmt::Display for RetentionPass {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RetentionPass::Purged { rows, batches, elapsed } => {
+            RetentionPass::Purged {
+                rows,
+                batches,
+                elapsed,
+            } => {
                 write!(f, "purged {rows} rows in {batches} batches, {elapsed:.1?}")
             }
             RetentionPass::Busy => f.write_str("another runner holds the purge lease"),

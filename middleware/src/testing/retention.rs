@@ -18,7 +18,10 @@ where
     let fingerprint = Fingerprint::of(b"x");
     let lease = Duration::from_secs(60);
     let done: Vec<_> = (0..5).map(|_| BusinessKey::new(unique("done"))).collect();
-    let (failed, running) = (BusinessKey::new(unique("failed")), BusinessKey::new(unique("running")));
+    let (failed, running) = (
+        BusinessKey::new(unique("failed")),
+        BusinessKey::new(unique("running")),
+    );
     for key in done.iter().chain([&failed, &running]) {
         store.begin(key, fingerprint, lease, None).await.unwrap();
     }
@@ -34,7 +37,14 @@ where
         .await
         .unwrap();
     assert!(
-        matches!(pass, RetentionPass::Purged { rows: 5, batches: 3, .. }),
+        matches!(
+            pass,
+            RetentionPass::Purged {
+                rows: 5,
+                batches: 3,
+                ..
+            }
+        ),
         "{pass:?}"
     );
     assert_eq!(batches_seen, [2, 2, 1]);
@@ -47,7 +57,10 @@ where
     store.begin(&done[0], fingerprint, lease, None).await.unwrap();
     assert!(store.succeed(&done[0], 1).await.unwrap());
     let keeping = Retention::new(store.clone(), Duration::from_secs(3600));
-    assert!(matches!(keeping.run_once().await.unwrap(), RetentionPass::Purged { rows: 0, .. }));
+    assert!(matches!(
+        keeping.run_once().await.unwrap(),
+        RetentionPass::Purged { rows: 0, .. }
+    ));
     assert!(store.get(&done[0]).await.unwrap().is_some());
 }
 
@@ -72,7 +85,10 @@ where
 
     let held = store.lead().await.unwrap().expect("no one else holds the lease");
     assert_eq!(retention().run_once().await.unwrap(), RetentionPass::Busy);
-    assert!(store.get(&keys[0]).await.unwrap().is_some(), "a busy pass deleted");
+    assert!(
+        store.get(&keys[0]).await.unwrap().is_some(),
+        "a busy pass deleted"
+    );
     held.step_down().await.unwrap();
 
     let (first, second) = (retention(), retention());

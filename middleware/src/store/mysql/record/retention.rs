@@ -24,7 +24,10 @@ impl RetentionStore for MysqlRecordStore {
     async fn lead(&self) -> Result<Option<MysqlRetentionRunner>, StoreError> {
         let mut connection = Unpooled(Some(self.pool.acquire().await?));
         // Lock names are at most 64 characters: the table's name goes in hashed.
-        let lease = format!("oncely.retention.{:016x}", xxh3_64(self.table.to_string().as_bytes()));
+        let lease = format!(
+            "oncely.retention.{:016x}",
+            xxh3_64(self.table.to_string().as_bytes())
+        );
         // GET_LOCK answers 1 when taken, 0 when another session holds it (timeout 0).
         let held: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
             .bind(&lease)
