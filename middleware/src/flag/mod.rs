@@ -33,7 +33,7 @@ mod store;
 #[cfg(feature = "memory")]
 pub use crate::store::memory::flag::MemoryFlagStore;
 #[cfg(feature = "redis")]
-pub use crate::store::redis::flag::RedisFlagStore;
+pub use crate::store::redis::flag::{FlagState, FlagView, RedisFlagStore};
 pub use decision::FlagTicket;
 pub use layer::FlagLayer;
 pub use store::{Claim, FlagStore};

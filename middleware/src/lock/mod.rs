@@ -37,7 +37,7 @@ pub use crate::store::mysql::lock::MysqlLockStore;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::lock::PgLockStore;
 #[cfg(feature = "redis")]
-pub use crate::store::redis::lock::RedisLockStore;
+pub use crate::store::redis::lock::{LockView, RedisLockStore};
 pub use decision::LockTicket;
 pub use layer::LockLayer;
 pub use lease::LockLease;

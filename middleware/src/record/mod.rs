@@ -40,11 +40,13 @@ pub use crate::store::memory::record::MemoryRecordStore;
 pub use crate::store::mysql::claims::MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES;
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::record::{
-    MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService, MysqlRecordStore,
-    MysqlRetentionRunner, MysqlTransactionalLayer, MysqlTransactionalTicket,
+    MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService, MysqlRecordStore, MysqlRetentionRunner,
+    MysqlTransactionalLayer, MysqlTransactionalTicket,
 };
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::transaction::MysqlTransaction;
+#[cfg(feature = "postgres")]
+pub use crate::store::postgres::admin::{PgRecordAdmin, RecordRow, RecordStats, StuckReport};
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
     CommitRows, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgRetentionRunner,

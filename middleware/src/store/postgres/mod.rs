@@ -1,5 +1,5 @@
 //! The PostgreSQL store: the record tier's backends (transactional, its half of the batched
-//! mode, three-step, the reconciler's statements), the state guard's store, the lock store,
+//! mode, three-step, the reconciler's statements, the operator's view in `admin.rs`), the state guard's store, the lock store,
 //! the pre-filter's rebuild, and what they share —
 //! connections that return to the pool only when clean, validated names, migrations
 //! (`migrations/`), and every statement on oncely's tables.
@@ -8,6 +8,7 @@
 //! cannot be parameters, so they are validated as plain identifiers ([`Ident`]) and quoted
 //! before they are put into SQL.
 
+pub(crate) mod admin;
 pub(crate) mod claims;
 pub(crate) mod lock;
 mod migrate;

@@ -62,6 +62,59 @@ impl<C: RedisConnection> RedisFlagStore<C> {
     pub fn redis_key(&self, key: &BusinessKey) -> String {
         tagged_key(&self.prefix, "flag", key.as_str())
     }
+
+    /// `key`'s marker and how long it has left, read without changing anything: for an
+    /// operator (`oncely inspect`).
+    pub async fn inspect(&self, key: &BusinessKey) -> Result<FlagView, StoreError> {
+        let redis_key = self.redis_key(key);
+        // One transaction: the marker and its expiry as of the same moment.
+        let (marker, ttl_ms): (Option<String>, i64) = redis::pipe()
+            .atomic()
+            .get(&redis_key)
+            .pttl(&redis_key)
+            .query_async(&mut self.connection.clone())
+            .await?;
+        let state = match marker {
+            None => FlagState::Absent,
+            Some(marker) => match parse_marker(&marker)? {
+                Claim::Done(fingerprint) => FlagState::Done { fingerprint },
+                Claim::InFlight | Claim::Won => FlagState::InFlight,
+            },
+        };
+        Ok(FlagView {
+            redis_key,
+            state,
+            ttl: u64::try_from(ttl_ms).ok().map(Duration::from_millis),
+        })
+    }
+}
+
+/// One business key's flag marker, as [`RedisFlagStore::inspect`] read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FlagView {
+    /// The Redis key holding the marker.
+    pub redis_key: String,
+    /// The marker.
+    pub state: FlagState,
+    /// How long the marker has left; `None` when there is no marker (or it never expires,
+    /// which oncely never writes).
+    pub ttl: Option<Duration>,
+}
+
+/// What a flag marker says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FlagState {
+    /// No marker: the key was never seen, or its marker expired or was lost with Redis.
+    Absent,
+    /// A delivery of the key holds it while it runs (until its lease).
+    InFlight,
+    /// The key was processed, with this payload's fingerprint.
+    Done {
+        /// The fingerprint of the payload that was processed.
+        fingerprint: Fingerprint,
+    },
 }
 
 impl<C: Clone> Clone for RedisFlagStore<C> {

@@ -82,6 +82,44 @@ impl<C: RedisConnection> RedisLockStore<C> {
     fn fence_key(&self, entity: &str) -> String {
         tagged_key(&self.prefix, "fence", entity)
     }
+
+    /// `entity`'s lock holder, its lease left and the fencing counter, read without changing
+    /// anything: for an operator (`oncely inspect --entity`).
+    pub async fn inspect(&self, entity: &str) -> Result<LockView, StoreError> {
+        let redis_key = self.redis_key(entity);
+        // One transaction (both keys share the entity's hash tag): one moment's view.
+        let (holder, ttl_ms, counter): (Option<String>, i64, Option<u64>) = redis::pipe()
+            .atomic()
+            .get(&redis_key)
+            .pttl(&redis_key)
+            .get(self.fence_key(entity))
+            .query_async(&mut self.connection.clone())
+            .await?;
+        Ok(LockView {
+            redis_key,
+            ttl: holder
+                .is_some()
+                .then(|| u64::try_from(ttl_ms).ok().map(Duration::from_millis))
+                .flatten(),
+            holder,
+            fencing_counter: counter,
+        })
+    }
+}
+
+/// One entity's lock, as [`RedisLockStore::inspect`] read it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockView {
+    /// The Redis key holding the lock.
+    pub redis_key: String,
+    /// The token of the holder; `None` when the lock is free.
+    pub holder: Option<String>,
+    /// How long the holder's lease has left.
+    pub ttl: Option<Duration>,
+    /// The last fencing token handed out for the entity; `None` if it was never locked
+    /// (or Redis lost the counter).
+    pub fencing_counter: Option<u64>,
 }
 
 impl<C: Clone> Clone for RedisLockStore<C> {

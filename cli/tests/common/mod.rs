@@ -1,0 +1,87 @@
+//! Running the built `oncely` as an operator would, and reading what it printed; the
+//! business table the tests count effects in.
+
+// Each test binary uses its part of these.
+#![allow(dead_code)]
+
+use std::process::{Command, Output, Stdio};
+
+use deadpool_postgres::Pool;
+use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
+use serde_json::Value;
+
+/// Runs `oncely` with `arguments` (standard input empty: a prompt is answered with no) on a
+/// thread of its own, so that the test's runtime goes on meanwhile.
+pub(crate) async fn oncely(arguments: &[impl AsRef<str>]) -> Output {
+    let arguments: Vec<String> = arguments
+        .iter()
+        .map(|argument| argument.as_ref().to_owned())
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_oncely"))
+            .args(&arguments)
+            .stdin(Stdio::null())
+            .output()
+            .expect("oncely runs")
+    })
+    .await
+    .unwrap()
+}
+
+/// `base` followed by `more`, as owned arguments.
+pub(crate) fn args(base: &[&str], more: &[&str]) -> Vec<String> {
+    base.iter()
+        .chain(more)
+        .map(|argument| argument.to_string())
+        .collect()
+}
+
+/// Its exit code.
+pub(crate) fn code(output: &Output) -> i32 {
+    output.status.code().expect("exited, not killed")
+}
+
+/// Its standard output as JSON; panics with both outputs if it is not.
+pub(crate) fn json(output: &Output) -> Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
+        panic!(
+            "not JSON ({error}): stdout {:?}, stderr {:?}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+/// Its standard error, as text.
+pub(crate) fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Asserts that it exited with `expected`, showing both outputs if not.
+pub(crate) fn assert_code(output: &Output, expected: i32) {
+    assert_eq!(
+        code(output),
+        expected,
+        "stdout {:?}, stderr {:?}",
+        String::from_utf8_lossy(&output.stdout),
+        stderr(output)
+    );
+}
+
+/// A schema of the test's own with an `effects` table that counts every application (no
+/// unique index: an effect applied twice shows as two rows), and a pool that searches it.
+pub(crate) async fn effects_schema() -> (ScratchSchema, Pool) {
+    let schema = ScratchSchema::new(&pool(2)).await;
+    schema
+        .execute("CREATE TABLE effects (order_id TEXT NOT NULL)")
+        .await;
+    let pool = schema_pool(schema.name(), 4);
+    (schema, pool)
+}
+
+/// How many times `key`'s effect was applied.
+pub(crate) async fn effects_of(schema: &ScratchSchema, key: &str) -> i64 {
+    schema
+        .count(&format!("SELECT count(*) FROM effects WHERE order_id = '{key}'"))
+        .await
+}
