@@ -149,17 +149,36 @@ impl Remote {
 /// `url` with its password, if any, replaced by `***`: errors and reports are pasted into
 /// tickets and chats.
 fn redact(url: &str) -> String {
+    let url = redact_password_parameters(url);
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+        return url;
     };
     let authority_end = rest.find('/').unwrap_or(rest.len());
     let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
+        return url;
     };
     match rest[..at].split_once(':') {
         Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-        None => url.to_owned(),
+        None => url,
     }
+}
+
+/// `password=…` hidden, as PostgreSQL's key-value strings (`host=db password=s3cret`) and
+/// URL query parameters (`?password=s3cret`) carry it: the value up to the next space or `&`.
+fn redact_password_parameters(text: &str) -> String {
+    let mut redacted = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(found) = rest.find("password=") {
+        let value = found + "password=".len();
+        redacted.push_str(&rest[..value]);
+        redacted.push_str("***");
+        let end = rest[value..]
+            .find([' ', '&'])
+            .map_or(rest.len(), |end| value + end);
+        rest = &rest[end..];
+    }
+    redacted.push_str(rest);
+    redacted
 }
 
 #[cfg(test)]
@@ -168,6 +187,14 @@ mod tests {
 
     #[test]
     fn passwords_are_hidden() {
+        assert_eq!(
+            redact("host=db password=s3cret user=app"),
+            "host=db password=*** user=app"
+        );
+        assert_eq!(
+            redact("postgres://app@db/shop?sslmode=disable&password=s3cret"),
+            "postgres://app@db/shop?sslmode=disable&password=***"
+        );
         assert_eq!(
             redact("amqp://guest:guest@127.0.0.1:5672/%2f"),
             "amqp://guest:***@127.0.0.1:5672/%2f"

@@ -32,8 +32,9 @@ pub const DEAD_LETTERED_AT: &str = "x-oncely-dead-lettered-at";
 /// Metadata name, only on a message replayed from a dead-letter destination (`oncely dlq
 /// replay`): the dead letters it was replayed from, oldest first, one per replay separated
 /// by `; `, each `<dead-lettered-at ms> <reason>: <detail>` (each detail cut to 160
-/// characters, the whole to [`MAX_VALUE_CHARS`]). It keeps why the message failed before
-/// while its attempt counter starts afresh.
+/// characters, with `; ` in it written `, `; the oldest entries dropped to stay within
+/// [`MAX_VALUE_CHARS`]). It keeps why the message failed before while its attempt counter
+/// starts afresh.
 pub const HISTORY: &str = "x-oncely-history";
 
 /// Metadata name, only on a dead letter whose body is not the original's: what was done to

@@ -177,10 +177,13 @@ impl DeadLetterInfo {
     /// joined by `; `. The oldest entries go first when the whole would be longer than
     /// [`MAX_VALUE_CHARS`]: the latest failure is the one a reader needs.
     fn history(&self, existing: Option<&str>) -> String {
+        // `; ` separates the entries: inside a detail it becomes `, `, so that the history
+        // splits back into the same entries.
         let detail: String = self
             .detail
             .as_deref()
             .unwrap_or_default()
+            .replace("; ", ", ")
             .chars()
             .take(HISTORY_DETAIL_CHARS)
             .collect();
@@ -343,5 +346,8 @@ mod tests {
         }
         assert!(long.chars().count() <= MAX_VALUE_CHARS, "{long}");
         assert!(long.ends_with(&format!("9 rejected: {}", "y".repeat(160))));
+        // A detail holding the separator stays one entry.
+        let third = letter(3, "rejected", "a; b");
+        assert_eq!(third.history(Some("1 x: y")), "1 x: y; 3 rejected: a, b");
     }
 }
