@@ -374,13 +374,13 @@ impl Report for PurgedView {
     }
 }
 
-/// `oncely purge`: counts, asks, then runs one pass of the library's [`Retention`], which
-/// takes the table's retention lock first (exit 4 when another runner holds it).
 /// The youngest age `purge` takes without `--force`. The RabbitMQ runner's default retry
 /// ladder alone takes about 25 minutes, RocketMQ's almost 5 hours, and dead letters wait
 /// for an operator: an age under a day is a typo far more often than a choice.
 const YOUNGEST_UNFORCED_PURGE: Duration = Duration::from_secs(24 * 3600);
 
+/// `oncely purge`: counts, asks, then runs one pass of the library's [`Retention`], which
+/// takes the table's retention lock first (exit 4 when another runner holds it).
 pub(crate) async fn purge(globals: &Globals, args: &PurgeArgs) -> Result<(), CliError> {
     let records = Records::new(globals)?;
     let table = records.admin.table().clone();

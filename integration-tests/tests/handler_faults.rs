@@ -321,6 +321,22 @@ async fn a_route_may_dead_letter_panics_sooner_than_other_failures() {
         Some(RetryReason::HandlerFailed),
         "{failed}"
     );
+    // Without a panic limit, panics get the route's attempts, however many.
+    let patient = transactional(
+        RecordMode::PerDelivery,
+        &pool,
+        &schema,
+        |_: Envelope| async move {
+            panic!("index out of bounds");
+            #[allow(unreachable_code)]
+            Ok::<(), HandlerError>(())
+        },
+    )
+    .with_max_attempts(20);
+    let late = patient.handle(order("o-late").with_attempt(17)).await;
+    assert_eq!(late.retry_reason(), Some(RetryReason::HandlerPanicked), "{late}");
+    // Awaited last: it also lets the runtime close the connections the panics discarded,
+    // before the schema is dropped.
     assert_eq!(
         moves_of(&schema, "o-panics").await + moves_of(&schema, "o-fails").await,
         0

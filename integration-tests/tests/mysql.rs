@@ -39,8 +39,8 @@ async fn store() -> MysqlRecordStore {
 
 oncely::store_suite!(record, store);
 
-// Each case on a database of its own: its purge deletes every old `SUCCESS` row.
 oncely::store_suite!(reconcile, store);
+// Each case on a database of its own: its purge deletes every old `SUCCESS` row.
 oncely::store_suite!(retention, store);
 
 async fn state_store() -> MysqlStateStore {

@@ -37,7 +37,8 @@ pub struct Route<S> {
     key: KeyExtractor,
     fingerprint: FingerprintPolicy,
     max_attempts: u32,
-    max_panic_attempts: u32,
+    /// `None`: the route's maximum attempts.
+    max_panic_attempts: Option<u32>,
     max_body_len: usize,
     delivery_limit: Option<DeliveryLimit>,
     stack: S,
@@ -86,7 +87,7 @@ where
             key,
             fingerprint: FingerprintPolicy::whole_body(),
             max_attempts: DEFAULT_MAX_ATTEMPTS,
-            max_panic_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_panic_attempts: None,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             delivery_limit: None,
             stack,
@@ -137,7 +138,7 @@ where
     /// delivery is dead-lettered at once, as [`DeadLetterReason::AttemptsExhausted`] with
     /// the panic's message in the detail. Values below 1 are read as 1.
     pub fn with_max_panic_attempts(mut self, max_panic_attempts: u32) -> Self {
-        self.max_panic_attempts = max_panic_attempts.max(1);
+        self.max_panic_attempts = Some(max_panic_attempts.max(1));
         self
     }
 
@@ -154,7 +155,8 @@ where
     /// [`RetryReason::HandlerFailed`], and a panic anywhere in the stack one with
     /// [`RetryReason::HandlerPanicked`]. The panicking stack's future is dropped, which
     /// rolls back the transactional record's open transaction with its connection. At the
-    /// route's maximum attempts a retry that is not a wait becomes
+    /// route's maximum attempts (for a panic, its
+    /// [panic limit](Self::with_max_panic_attempts)) a retry that is not a wait becomes
     /// [`DeadLetterReason::AttemptsExhausted`].
     pub async fn handle(&self, delivery: Delivery) -> Outcome {
         let attempt = delivery.attempt();
@@ -202,7 +204,10 @@ where
     fn attempt_limit(&self, reason: RetryReason) -> Option<u32> {
         match reason {
             reason if reason.is_wait() => None,
-            RetryReason::HandlerPanicked => Some(self.max_panic_attempts.min(self.max_attempts)),
+            RetryReason::HandlerPanicked => Some(
+                self.max_panic_attempts
+                    .map_or(self.max_attempts, |panics| panics.min(self.max_attempts)),
+            ),
             _ => Some(self.max_attempts),
         }
     }
@@ -270,7 +275,7 @@ pub(crate) fn panicked(panic: &(dyn Any + Send)) -> Outcome {
     let message = panic_message(panic);
     tracing::error!(
         panic = message,
-        "the stack panicked; the delivery will be retried"
+        "the stack panicked; the delivery will be retried, or dead-lettered at the route's limit"
     );
     Outcome::retry_later(RetryReason::HandlerPanicked, format!("panicked: {message}"), None)
 }

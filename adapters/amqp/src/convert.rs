@@ -79,7 +79,8 @@ pub(crate) fn integer_of(value: &AMQPValue) -> Option<i128> {
 }
 
 /// A counter header's value: decimal text, as the runner writes it, or an integer, as
-/// oncely before 0.2 wrote it (such a copy is sealed all the same).
+/// earlier versions wrote `x-oncely-returns` (the attempt counter changed its name as well,
+/// so an earlier retry copy counts as a first delivery).
 fn counter_of(value: &AMQPValue) -> Option<i128> {
     match value {
         AMQPValue::LongString(text) => std::str::from_utf8(text.as_bytes()).ok()?.parse().ok(),

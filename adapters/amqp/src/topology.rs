@@ -228,7 +228,8 @@ impl Topology {
     /// allowing `max_attempts` dead-letters it: the ladder's delay for each attempt before
     /// the last (each failure moves one step up; the last step repeats). The default ladder
     /// (1 s, 5 s, 30 s, 2 min) with the route's default 16 attempts takes 24 min 36 s, plus
-    /// the handler's own time. Keep the record's retention and the flag's TTL above it.
+    /// the handler's own time. Keep the record's retention above it (README, "The record's
+    /// retention").
     pub fn retry_ladder_total(&self, max_attempts: u32) -> Duration {
         (1..max_attempts.max(1))
             .map(|attempt| self.retry_delays[self.ladder_step(attempt)])

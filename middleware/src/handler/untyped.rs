@@ -23,7 +23,8 @@ use crate::tier::BoxFuture;
 /// catches the panic, the stack's future is dropped (the transactional record's transaction
 /// rolls back with its connection, a lock's watchdog stops), and the delivery is retried
 /// ([`RetryReason::HandlerPanicked`](crate::RetryReason::HandlerPanicked)); at the route's
-/// maximum attempts it is dead-lettered as `attempts_exhausted` with the panic's message. A
+/// maximum attempts (or its [panic limit](crate::Route::with_max_panic_attempts)) it is
+/// dead-lettered as `attempts_exhausted` with the panic's message. A
 /// panic that kills the process every time is counted by the broker or a delivery counter
 /// and dead-lettered as `delivery_limit`.
 pub fn handler_fn<F>(f: F) -> HandlerFn<F> {

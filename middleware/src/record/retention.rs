@@ -90,8 +90,8 @@ impl fmt::Display for RetentionPass {
 /// longest path a copy can take back to the consumer: the broker's retry ladder (with the
 /// AMQP runner's default ladder and 16 attempts, about 25 minutes), plus the time a message
 /// may wait in the dead-letter destination before someone replays it, plus producer retries
-/// and any queue backlog. The README's "Operating oncely" gives the formula beside the
-/// flag's TTL.
+/// and any queue backlog. The README gives the formula beside the flag's TTL ("The record's
+/// retention", under Redis).
 ///
 /// Safe while consumers run: a batch deletes only `SUCCESS` rows older than the retention,
 /// in its own short transaction, and a claim that races the delete of its key's row answers
@@ -173,7 +173,10 @@ impl<S: RetentionStore> Retention<S> {
                 break;
             }
         }
-        runner.step_down().await?;
+        if let Err(error) = runner.step_down().await {
+            crate::telemetry::count_retention_pass(&name, "failed");
+            return Err(error);
+        }
         crate::telemetry::count_retention_pass(&name, "purged");
         Ok(RetentionPass::Purged {
             rows,

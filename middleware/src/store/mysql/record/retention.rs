@@ -23,11 +23,13 @@ impl RetentionStore for MysqlRecordStore {
 
     async fn lead(&self) -> Result<Option<MysqlRetentionRunner>, StoreError> {
         let mut connection = Unpooled(Some(self.pool.acquire().await?));
-        // Lock names are at most 64 characters: the table's name goes in hashed.
-        let lease = format!(
-            "oncely.retention.{:016x}",
-            xxh3_64(self.table.to_string().as_bytes())
-        );
+        // Named locks are the server's, not a database's: the name holds the database as
+        // well as the table, hashed, because names are at most 64 characters.
+        let database: Option<String> = sqlx::query_scalar("SELECT DATABASE()")
+            .fetch_one(&mut **connection.get())
+            .await?;
+        let table = format!("{}.{}", database.unwrap_or_default(), self.table);
+        let lease = format!("oncely.retention.{:016x}", xxh3_64(table.as_bytes()));
         // GET_LOCK answers 1 when taken, 0 when another session holds it (timeout 0).
         let held: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
             .bind(&lease)

@@ -51,7 +51,9 @@ impl RetentionStore for PgRecordStore {
 /// the lock go with the session.
 impl RetentionRunner for PgRetentionRunner {
     async fn purge_batch(&mut self, age: Duration, rows: u32) -> Result<u64, StoreError> {
-        let age_ms = to_i64(age.as_millis() as u64);
+        // Saturating: an age past what PostgreSQL's intervals hold fails the pass, never
+        // wraps around to a small one.
+        let age_ms = to_i64(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
         let client = self.checkout.client();
         Ok(client.execute(&self.purge, &[&age_ms, &i64::from(rows)]).await?)
     }
