@@ -14,7 +14,7 @@ pub(crate) enum CliError {
     /// A store or broker did not answer within `--timeout`: unreachable, or overloaded.
     #[error("{service} at {url} did not answer within {}", humantime::format_duration(*.timeout))]
     Timeout {
-        /// `PostgreSQL`, `Redis` or `RabbitMQ`.
+        /// `PostgreSQL`, `MySQL`, `Redis`, `RabbitMQ` or `RocketMQ`.
         service: &'static str,
         /// Its address, without a password.
         url: String,
@@ -24,7 +24,7 @@ pub(crate) enum CliError {
     /// A store or broker refused the connection or answered with an error.
     #[error("{service} at {url} failed")]
     Service {
-        /// `PostgreSQL`, `Redis` or `RabbitMQ`.
+        /// `PostgreSQL`, `MySQL`, `Redis`, `RabbitMQ` or `RocketMQ`.
         service: &'static str,
         /// Its address, without a password.
         url: String,
@@ -40,6 +40,15 @@ pub(crate) enum CliError {
         queue: String,
         /// The broker's address, without a password.
         url: String,
+    },
+    /// The dead-letter topic a `dlq` command names has no route on the name server: it does
+    /// not exist (or the name server knows no broker). Nothing was written.
+    #[error("topic {topic:?} does not exist on {namesrv}")]
+    TopicNotFound {
+        /// The missing topic.
+        topic: String,
+        /// The name server's address.
+        namesrv: String,
     },
     /// A schema or table name is not a plain SQL identifier.
     #[error("invalid --schema or --table")]
@@ -72,6 +81,7 @@ impl CliError {
             CliError::Timeout { .. }
             | CliError::Service { .. }
             | CliError::QueueNotFound { .. }
+            | CliError::TopicNotFound { .. }
             | CliError::Refused(_)
             | CliError::Incomplete(_)
             | CliError::Io(_) => 1,
@@ -102,7 +112,7 @@ pub(crate) fn chain(error: &dyn std::error::Error) -> String {
 /// A service and its address, for errors that name where they came from.
 #[derive(Clone, Debug)]
 pub(crate) struct Remote {
-    /// `PostgreSQL`, `Redis` or `RabbitMQ`.
+    /// `PostgreSQL`, `MySQL`, `Redis`, `RabbitMQ` or `RocketMQ`.
     pub(crate) service: &'static str,
     /// The address, without a password.
     pub(crate) url: String,

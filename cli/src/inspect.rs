@@ -13,8 +13,11 @@ use crate::{Globals, InspectArgs};
 #[derive(Debug, Serialize)]
 struct InspectView {
     key: String,
-    /// `None`: no row, or PostgreSQL could not be read (see `unavailable`).
+    /// `None`: no row, or the record's store could not be read (see `unavailable`).
     record: Option<RowView>,
+    /// The record's store, as `unavailable` names it: `PostgreSQL` or `MySQL`.
+    #[serde(skip)]
+    record_store: &'static str,
     /// `None`: Redis could not be read.
     flag: Option<FlagReport>,
     /// `None`: no `--entity`, or Redis could not be read.
@@ -45,10 +48,10 @@ impl Report for InspectView {
         let mut sections = Vec::new();
         let record = match &self.record {
             Some(row) => output::fields(row.fields()).to_string(),
-            None if self.unavailable("PostgreSQL") => "could not be read (below)".to_owned(),
+            None if self.unavailable(self.record_store) => "could not be read (below)".to_owned(),
             None => "no row".to_owned(),
         };
-        sections.push(format!("record (PostgreSQL)\n{record}"));
+        sections.push(format!("record ({})\n{record}", self.record_store));
         let flag = match &self.flag {
             Some(flag) => output::fields(flag.fields()).to_string(),
             None => "could not be read (below)".to_owned(),
@@ -82,23 +85,23 @@ impl InspectView {
 /// `oncely inspect`. Exit 1 if a store could not be read (after the view), else 3 when no
 /// store knows the key (no record row, no flag marker), else 0.
 pub(crate) async fn inspect(globals: &Globals, args: &InspectArgs) -> Result<(), CliError> {
+    let records = Records::new(globals)?;
     let mut view = InspectView {
         key: args.key.clone(),
         record: None,
+        record_store: records.remote.service,
         flag: None,
         lock: None,
         entity: args.entity.clone(),
         unavailable: Vec::new(),
     };
-    let records = Records::new(globals)?;
     // Each store on its own: one that does not answer does not delay the other's answer.
-    let (record, redis) = tokio::join!(
-        records.remote.call(records.admin.inspect(&args.key)),
-        redis_part(globals, args)
-    );
+    let (record, redis) = tokio::join!(records.inspect(&args.key), redis_part(globals, args));
     match record {
         Ok(row) => view.record = row.map(RowView::from),
-        Err(error) => view.unavailable.push(Unavailable::new("PostgreSQL", &error)),
+        Err(error) => view
+            .unavailable
+            .push(Unavailable::new(records.remote.service, &error)),
     }
     match redis {
         Ok((flag, lock)) => (view.flag, view.lock) = (Some(flag), lock),

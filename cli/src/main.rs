@@ -1,27 +1,35 @@
 //! `oncely`: the operator's command line for oncely's stores and dead letters.
 //!
-//! - `inspect KEY [--entity E]`: the key's record row (PostgreSQL), flag marker (Redis) and,
-//!   with `--entity`, the entity's lock and fencing counter, in one view;
+//! - `inspect KEY [--entity E]`: the key's record row (PostgreSQL, or MySQL/MariaDB with
+//!   `--store mysql`), flag marker (Redis) and, with `--entity`, the entity's lock and
+//!   fencing counter, in one view;
 //! - `stuck`: `PROCESSING` rows past their lease; `release KEY` / `mark-done KEY` settle one
 //!   by hand after asking (`--yes` for scripts);
 //! - `stats`: rows by status, oldest `PROCESSING`, table size, retention horizon;
 //! - `purge --older-than DURATION`: one pass of the library's retention service;
-//! - `dlq list|show|replay|purge --queue QUEUE`: RabbitMQ dead letters in `QUEUE.dlq`;
+//! - `dlq list|show|replay|purge --queue QUEUE | --topic TOPIC`: RabbitMQ's dead letters in
+//!   `QUEUE.dlq`, or those of a RocketMQ dead-letter topic;
 //! - `completions SHELL`: shell completions.
 //!
-//! Tables for people, `--json` for scripts. It reads the consumers' settings: `DATABASE_URL`,
-//! `REDIS_URL`, `AMQP_ADDR`; schema, table and Redis prefix are flags.
+//! Tables for people, `--json` for scripts. It reads the consumers' settings: `DATABASE_URL`
+//! (or `MYSQL_URL` with `--store mysql`), `REDIS_URL`, `AMQP_ADDR`, `ROCKETMQ_NAMESRV`;
+//! schema, table and Redis prefix are flags. On MySQL `--schema` names the record table's
+//! database (default: the one in `MYSQL_URL`), since a MySQL table lives in a database.
 //!
 //! # Exit codes
 //!
 //! | code | meaning |
 //! |---|---|
 //! | 0 | done (also: nothing to do, e.g. `mark-done` on a `SUCCESS` row) |
-//! | 1 | error: a store or broker unreachable, failing or not answering within `--timeout`; a queue that does not exist; a row not in a state the action applies to; an incomplete `inspect` (a store could not be read: what the others said is shown); dead letters `replay` left in place because they are not oncely's |
+//! | 1 | error: a store or broker unreachable, failing or not answering within `--timeout`; a queue or topic that does not exist; a row not in a state the action applies to; an incomplete `inspect` (a store could not be read: what the others said is shown); dead letters `replay` left in place because they are not oncely's |
 //! | 2 | usage: bad arguments (clap's), an invalid `--schema` or `--table` |
 //! | 3 | not found: an unknown key, no dead letter with the id or position `dlq show` asked for |
 //! | 4 | busy: another retention runner holds the lock (`purge`) |
 //! | 5 | declined at the confirmation prompt: nothing was changed |
+
+// rocketmq-client-rust's consumer start is a deep future: its layout needs more than the
+// default query depth of 128.
+#![recursion_limit = "256"]
 
 mod dlq;
 mod error;
@@ -42,9 +50,9 @@ use crate::record::Settlement;
 const EXIT_CODES: &str = "\
 Exit codes:
   0  done (or nothing to do)
-  1  error: a store or broker failed or did not answer within --timeout, a queue does not
-     exist, a row is not in a state the action applies to, an incomplete inspect, dead
-     letters left in place by replay because they are not oncely's
+  1  error: a store or broker failed or did not answer within --timeout, a queue or topic
+     does not exist, a row is not in a state the action applies to, an incomplete inspect,
+     dead letters left in place by replay because they are not oncely's
   2  usage: bad arguments, an invalid --schema or --table
   3  not found: unknown key, no such dead letter
   4  busy: another retention runner holds the lock
@@ -63,7 +71,7 @@ struct Cli {
 /// Where the stores and the broker are: the consumers' own settings.
 #[derive(Clone, Debug, Args)]
 pub(crate) struct Globals {
-    /// The PostgreSQL holding the record table.
+    /// The PostgreSQL holding the record table (with --store postgres, the default).
     #[arg(
         long,
         global = true,
@@ -72,9 +80,22 @@ pub(crate) struct Globals {
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     database_url: String,
-    /// The record table's schema.
-    #[arg(long, global = true, default_value = "oncely")]
-    schema: String,
+    /// The store holding the record table.
+    #[arg(long, global = true, value_enum, default_value_t = record::Store::Postgres)]
+    store: record::Store,
+    /// The MySQL or MariaDB holding the record table (with --store mysql).
+    #[arg(
+        long,
+        global = true,
+        env = "MYSQL_URL",
+        hide_env_values = true,
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    mysql_url: String,
+    /// The record table's schema (PostgreSQL; default oncely), or its database (MySQL;
+    /// default the one in --mysql-url).
+    #[arg(long, global = true)]
+    schema: Option<String>,
     /// The record table.
     #[arg(long, global = true, default_value = "consumption_record")]
     table: String,
@@ -99,6 +120,15 @@ pub(crate) struct Globals {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_addr: String,
+    /// The RocketMQ name server of the dead-letter topics.
+    #[arg(
+        long,
+        global = true,
+        env = "ROCKETMQ_NAMESRV",
+        hide_env_values = true,
+        default_value = "127.0.0.1:9876"
+    )]
+    rocketmq_namesrv: String,
     /// How long connecting, and each call, may take (`500ms`, `5s`, `1m`).
     #[arg(long, global = true, default_value = "5s", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -134,7 +164,8 @@ enum Command {
     /// does (one runner at a time); safe while consumers run.
     #[command(after_help = "Example:\n  oncely purge --older-than 30d --batch-rows 10000")]
     Purge(PurgeArgs),
-    /// RabbitMQ dead letters: list, show, replay or purge those of QUEUE.dlq.
+    /// Dead letters: list, show, replay or purge those of RabbitMQ's QUEUE.dlq (--queue) or
+    /// of a RocketMQ dead-letter topic (--topic).
     Dlq {
         #[command(subcommand)]
         command: dlq::DlqCommand,

@@ -1,14 +1,19 @@
-//! The PostgreSQL record table: `stuck`, `release`, `mark-done`, `stats`, `purge`, and the
-//! record's part of `inspect`. The SQL is the library's ([`PgRecordAdmin`], [`Retention`]).
+//! The record table, on PostgreSQL or on MySQL and MariaDB (`--store`): `stuck`, `release`,
+//! `mark-done`, `stats`, `purge`, and the record's part of `inspect`. The SQL is the
+//! library's ([`PgRecordAdmin`], [`MysqlRecordAdmin`], [`Retention`]); each command is
+//! written once, over [`Records`], which holds either store's admin.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use oncely::mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use oncely::mysql::sqlx::{self, Executor, MySqlConnection, MySqlPool, Row};
 use oncely::postgres::Table;
 use oncely::record::{
-    PgRecordAdmin, PgRecordStore, RecordRow, RecordStats, RecordStatus, Retention, RetentionPass, StuckReport,
+    MysqlRecordAdmin, MysqlRecordStore, PgRecordAdmin, PgRecordStore, RecordRow, RecordStats, RecordStatus,
+    Retention, RetentionPass, RetentionStore, StuckReport,
 };
 use serde::Serialize;
 
@@ -16,17 +21,57 @@ use crate::error::{CliError, Remote};
 use crate::output::{self, Report, cut, rfc3339, when, when_opt};
 use crate::{Globals, PurgeArgs, SettleArgs};
 
-/// The record table of `--database-url`, `--schema` and `--table`.
+/// The store holding the record table (`--store`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Store {
+    /// PostgreSQL at --database-url; --schema is the table's schema (default oncely).
+    Postgres,
+    /// MySQL 8 or MariaDB at --mysql-url; --schema is the table's database (default the
+    /// URL's).
+    Mysql,
+}
+
+/// The schema of the record table on PostgreSQL when `--schema` names none.
+const DEFAULT_PG_SCHEMA: &str = "oncely";
+
+/// The record table of `--store`, `--schema` and `--table`, with the service it is on.
 pub(crate) struct Records {
-    pub(crate) admin: PgRecordAdmin,
-    pool: Pool,
+    admin: Admin,
+    /// The table as reports name it: `"schema"."table"`, or `` `database`.`table` ``.
+    pub(crate) name: String,
     pub(crate) remote: Remote,
+}
+
+/// Either store's admin, with its pool (for the retention pass). Both admins have the same
+/// methods with the same meaning; [`on_admin!`] calls one on whichever is here.
+enum Admin {
+    Postgres(PgRecordAdmin, Pool),
+    Mysql(MysqlRecordAdmin, MySqlPool),
+}
+
+/// `$call`, awaited, on the admin `$records` holds, named `$admin`: one text for both
+/// stores, which the compiler checks against each.
+macro_rules! on_admin {
+    ($records:expr, $admin:ident => $call:expr) => {
+        match &$records.admin {
+            Admin::Postgres($admin, _) => $call.await,
+            Admin::Mysql($admin, _) => $call.await,
+        }
+    };
 }
 
 impl Records {
     /// A pool on the record table; it connects on first use, within `--timeout`.
     pub(crate) fn new(globals: &Globals) -> Result<Self, CliError> {
-        let table = Table::new(&globals.schema, &globals.table)?;
+        match globals.store {
+            Store::Postgres => Self::postgres(globals),
+            Store::Mysql => Self::mysql(globals),
+        }
+    }
+
+    fn postgres(globals: &Globals) -> Result<Self, CliError> {
+        let schema = globals.schema.as_deref().unwrap_or(DEFAULT_PG_SCHEMA);
+        let table = Table::new(schema, &globals.table)?;
         let remote = Remote::new("PostgreSQL", &globals.database_url, globals.timeout);
         let mut config: Config = globals
             .database_url
@@ -50,19 +95,107 @@ impl Records {
             .build()
             .map_err(|error| remote.failed(error))?;
         Ok(Records {
-            admin: PgRecordAdmin::new(pool.clone(), table),
-            pool,
+            name: table.to_string(),
+            admin: Admin::Postgres(PgRecordAdmin::new(pool.clone(), table), pool),
             remote,
         })
     }
 
+    /// On MySQL a table lives in a database, which the connection names: `--schema` when
+    /// given (validated as on PostgreSQL), else the one in `--mysql-url`.
+    fn mysql(globals: &Globals) -> Result<Self, CliError> {
+        let table = oncely::mysql::Table::new(globals.table.as_str())?;
+        let remote = Remote::new("MySQL", &globals.mysql_url, globals.timeout);
+        let options: MySqlConnectOptions = globals.mysql_url.parse().map_err(|error| remote.failed(error))?;
+        let database = match &globals.schema {
+            Some(schema) => oncely::mysql::Ident::new(schema.as_str())?.as_str().to_owned(),
+            None => options.get_database().map(str::to_owned).ok_or_else(|| {
+                remote.failed("no database: name it in --mysql-url (mysql://HOST/DATABASE) or with --schema")
+            })?,
+        };
+        let timeout = globals.timeout;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            // Connecting included.
+            .acquire_timeout(timeout)
+            .after_connect(move |connection, _| Box::pin(bound_session(connection, timeout)))
+            .connect_lazy_with(options.database(&database));
+        Ok(Records {
+            name: format!("`{database}`.{table}"),
+            admin: Admin::Mysql(MysqlRecordAdmin::new(pool.clone(), table), pool),
+            remote,
+        })
+    }
+
+    /// `key`'s row, if it has one.
+    pub(crate) async fn inspect(&self, key: &str) -> Result<Option<RecordRow>, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.inspect(key)) })
+            .await
+    }
+
     /// `key`'s row, or [`CliError::NotFound`].
     async fn row(&self, key: &str) -> Result<RecordRow, CliError> {
-        self.remote
-            .call(self.admin.inspect(key))
+        self.inspect(key)
             .await?
-            .ok_or_else(|| CliError::NotFound(format!("no record of key {key:?} in {}", self.admin.table())))
+            .ok_or_else(|| CliError::NotFound(format!("no record of key {key:?} in {}", self.name)))
     }
+
+    async fn stuck(&self, limit: usize) -> Result<StuckReport, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.stuck(limit)) })
+            .await
+    }
+
+    /// `seen` settled as `action`, if it still is the row seen: true when it changed.
+    async fn settle(&self, seen: &RecordRow, action: Settlement, force: bool) -> Result<bool, CliError> {
+        self.remote
+            .call(async {
+                match action {
+                    Settlement::Release => on_admin!(self, admin => admin.release(seen, force)),
+                    Settlement::MarkDone => on_admin!(self, admin => admin.mark_done(seen, force)),
+                }
+            })
+            .await
+    }
+
+    async fn stats(&self) -> Result<RecordStats, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.stats()) })
+            .await
+    }
+
+    async fn purgeable(&self, age: Duration) -> Result<u64, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.purgeable(age)) })
+            .await
+    }
+}
+
+/// Bounds every statement of a new MySQL session on the server, as `statement_timeout` and
+/// `lock_timeout` do on PostgreSQL: a statement the tool stopped waiting for must not go on
+/// running, or commit after the tool reported a timeout (closing the connection does not stop
+/// it). MariaDB's `max_statement_time` (seconds) bounds every statement, lock waits
+/// included; MySQL has no such variable (setting it fails), and its `max_execution_time`
+/// (milliseconds) bounds read-only `SELECT`s only, so there the row-lock
+/// (`innodb_lock_wait_timeout`) and metadata-lock (`lock_wait_timeout`) waits, whole
+/// seconds, are what bound an `UPDATE` or a purge's `DELETE`. The server is told apart by
+/// its version, one query per connection.
+async fn bound_session(connection: &mut MySqlConnection, timeout: Duration) -> Result<(), sqlx::Error> {
+    // `Executor`'s methods, not `query_scalar`'s: their futures are `Send` for every
+    // lifetime, which `after_connect` needs.
+    let version: String = connection.fetch_one("SELECT VERSION()").await?.try_get(0)?;
+    // Zero would mean no limit.
+    let statement = match version.contains("MariaDB") {
+        true => format!("max_statement_time = {:.3}", timeout.as_secs_f64().max(0.001)),
+        false => format!("max_execution_time = {}", timeout.as_millis().max(1)),
+    };
+    let lock_wait = (timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0)).max(1);
+    let set = format!(
+        "SET SESSION {statement}, innodb_lock_wait_timeout = {lock_wait}, lock_wait_timeout = {lock_wait}"
+    );
+    connection.execute(set.as_str()).await?;
+    Ok(())
 }
 
 /// A record row in a report.
@@ -154,9 +287,9 @@ impl Report for StuckView {
 /// `oncely stuck`.
 pub(crate) async fn stuck(globals: &Globals, limit: usize) -> Result<(), CliError> {
     let records = Records::new(globals)?;
-    let StuckReport { total, rows, .. } = records.remote.call(records.admin.stuck(limit)).await?;
+    let StuckReport { total, rows, .. } = records.stuck(limit).await?;
     let view = StuckView {
-        table: records.admin.table().to_string(),
+        table: records.name.clone(),
         total,
         rows: rows.into_iter().map(RowView::from).collect(),
     };
@@ -240,20 +373,7 @@ pub(crate) async fn settle(globals: &Globals, args: &SettleArgs, action: Settlem
         action.target()
     );
     output::confirm(question, args.yes).await?;
-    view.changed = match action {
-        Settlement::Release => {
-            records
-                .remote
-                .call(records.admin.release(&row, args.force))
-                .await?
-        }
-        Settlement::MarkDone => {
-            records
-                .remote
-                .call(records.admin.mark_done(&row, args.force))
-                .await?
-        }
-    };
+    view.changed = records.settle(&row, action, args.force).await?;
     if !view.changed {
         return Err(CliError::Refused(format!(
             "key {key:?} changed while you confirmed (a delivery took it over, or its lease was renewed); \
@@ -335,9 +455,9 @@ fn bytes(bytes: u64) -> String {
 /// `oncely stats`.
 pub(crate) async fn stats(globals: &Globals) -> Result<(), CliError> {
     let records = Records::new(globals)?;
-    let stats = records.remote.call(records.admin.stats()).await?;
+    let stats = records.stats().await?;
     let view = StatsView {
-        table: records.admin.table().to_string(),
+        table: records.name.clone(),
         processing: stats.processing,
         stuck: stats.stuck,
         success: stats.success,
@@ -383,7 +503,7 @@ const YOUNGEST_UNFORCED_PURGE: Duration = Duration::from_secs(24 * 3600);
 /// takes the table's retention lock first (exit 4 when another runner holds it).
 pub(crate) async fn purge(globals: &Globals, args: &PurgeArgs) -> Result<(), CliError> {
     let records = Records::new(globals)?;
-    let table = records.admin.table().clone();
+    let table = &records.name;
     let age = args.older_than;
     if age < YOUNGEST_UNFORCED_PURGE && !args.force {
         return Err(CliError::Refused(format!(
@@ -394,9 +514,9 @@ pub(crate) async fn purge(globals: &Globals, args: &PurgeArgs) -> Result<(), Cli
             humantime::format_duration(age)
         )));
     }
-    let purgeable = records.remote.call(records.admin.purgeable(age)).await?;
+    let purgeable = records.purgeable(age).await?;
     let mut view = PurgedView {
-        table: table.to_string(),
+        table: table.clone(),
         older_than_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
         rows: 0,
         batches: 0,
@@ -410,12 +530,17 @@ pub(crate) async fn purge(globals: &Globals, args: &PurgeArgs) -> Result<(), Cli
         humantime::format_duration(age)
     );
     output::confirm(question, args.yes).await?;
-    let mut retention = Retention::new(PgRecordStore::new(records.pool.clone(), table), age);
-    if let Some(rows) = args.batch_rows {
-        retention = retention.with_batch_rows(rows);
-    }
     let bar = output::progress(purgeable, "purging", globals.json);
-    let pass = run_watched(&retention, &bar, &records.remote).await;
+    let pass = match &records.admin {
+        Admin::Postgres(admin, pool) => {
+            let store = PgRecordStore::new(pool.clone(), admin.table().clone());
+            run_watched(store, args, &bar, &records.remote).await
+        }
+        Admin::Mysql(admin, pool) => {
+            let store = MysqlRecordStore::new(pool.clone(), admin.table().clone());
+            run_watched(store, args, &bar, &records.remote).await
+        }
+    };
     bar.finish_and_clear();
     match pass? {
         RetentionPass::Busy => Err(CliError::Busy),
@@ -433,15 +558,20 @@ pub(crate) async fn purge(globals: &Globals, args: &PurgeArgs) -> Result<(), Cli
     }
 }
 
-/// One retention pass, given up when no batch completes within the timeout: a database
-/// that stops answering ends the command instead of hanging it. The whole pass has no
-/// limit (a large table takes many batches). Dropping the pass closes its session, which
-/// lets the retention lock go.
+/// One retention pass on `store` as `args` ask, given up when no batch completes within the
+/// timeout: a database that stops answering ends the command instead of hanging it. The
+/// whole pass has no limit (a large table takes many batches). Dropping the pass closes its
+/// session, which lets the retention lock go.
 async fn run_watched(
-    retention: &Retention<PgRecordStore>,
+    store: impl RetentionStore,
+    args: &PurgeArgs,
     bar: &indicatif::ProgressBar,
     remote: &Remote,
 ) -> Result<RetentionPass, CliError> {
+    let mut retention = Retention::new(store, args.older_than);
+    if let Some(rows) = args.batch_rows {
+        retention = retention.with_batch_rows(rows);
+    }
     let last_batch = Arc::new(Mutex::new(Instant::now()));
     let pass = {
         let last_batch = last_batch.clone();

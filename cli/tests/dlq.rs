@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{args, assert_code, effects_of, effects_schema, json, oncely, stderr};
+use common::{args, assert_code, effects_of, effects_schema, json, oncely, reasons, stderr};
 use integration_tests::amqp::{
     amqp_addr, connect, ready_messages, scratch_topology, start_runner, stop_runner,
 };
@@ -20,7 +20,6 @@ use oncely::dead_letter::{HISTORY, REASON};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::{BusinessKey, Delivery, HandlerError, Json, KeyExtractor, Route};
 use oncely_amqp::{Producer, Runner};
-use serde_json::Value;
 
 #[derive(serde::Deserialize)]
 struct Order {
@@ -31,17 +30,6 @@ struct Order {
 /// What the handler saw of a replayed copy: its history header, and whether it still
 /// carried a dead-letter reason.
 type Seen = Arc<Mutex<HashMap<String, (Option<String>, bool)>>>;
-
-fn reasons(list: &Value) -> Vec<String> {
-    let mut reasons: Vec<String> = list["dead_letters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|letter| letter["reason"].as_str().unwrap_or("-").to_owned())
-        .collect();
-    reasons.sort();
-    reasons
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_listed_replayed_once_and_purged() {

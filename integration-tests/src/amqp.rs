@@ -354,7 +354,7 @@ pub fn batched_orders_route(
 }
 
 /// The lock of the stock-deduction routes: one order per product at a time.
-fn orders_lock(redis: ConnectionManager, prefix: &str) -> LockLayer<RedisLockStore<ConnectionManager>> {
+pub fn orders_lock(redis: ConnectionManager, prefix: &str) -> LockLayer<RedisLockStore<ConnectionManager>> {
     LockLayer::new(
         RedisLockStore::new(redis).with_prefix(prefix),
         KeyExtractor::json_pointer("/sku"),
@@ -414,7 +414,9 @@ pub fn flag_only_orders_route(
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
-fn orders_flag(redis: ConnectionManager, prefix: &str) -> FlagLayer<RedisFlagStore<ConnectionManager>> {
+/// The flag of the stock-deduction routes: done keys remembered for ten minutes, an
+/// in-flight mark of five seconds; Redis keys start with `prefix`.
+pub fn orders_flag(redis: ConnectionManager, prefix: &str) -> FlagLayer<RedisFlagStore<ConnectionManager>> {
     FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix(prefix),
         Duration::from_secs(600),

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cheetah_string::CheetahString;
 use oncely::{DeadLetter, dead_letter};
 use rocketmq_client_rust::DefaultMQProducer;
 use rocketmq_model::common::message::message_ext::MessageExt;
@@ -81,13 +82,7 @@ impl DeadLetterTopic {
         dead: &DeadLetter,
         context: &dead_letter::Context<'_>,
     ) -> Result<(), Error> {
-        let kept = [MessageConst::PROPERTY_KEYS, MessageConst::PROPERTY_TAGS];
-        let mut properties: HashMap<_, _> = message
-            .properties()
-            .iter()
-            .filter(|(name, _)| kept.contains(&name.as_str()) || !STRING_HASH_SET.contains(name.as_str()))
-            .map(|(name, value)| (name.clone(), value.clone()))
-            .collect();
+        let mut properties = kept_properties(message);
         // The metadata's values hold no control characters, which RocketMQ uses to separate
         // properties (see `DeadLetter::metadata`).
         for (name, value) in dead.metadata(context) {
@@ -105,13 +100,36 @@ impl DeadLetterTopic {
             .body(body)
             .build_unchecked();
         copy.set_properties(properties);
+        send_stored(&self.producer, copy, self.send_timeout).await
+    }
+}
 
-        let timeout = u64::try_from(self.send_timeout.as_millis()).unwrap_or(u64::MAX);
-        match self.producer.send_with_timeout(copy, timeout).await? {
-            Some(result) if result.send_status == SendStatus::SendOk => Ok(()),
-            Some(result) => Err(Error::NotStored(result.send_status)),
-            None => Err(Error::NoSendResult),
-        }
+/// The properties a copy of `message` keeps: `KEYS`, `TAGS` and the user properties.
+/// RocketMQ's other system properties (the unique id, the retry topic, store and transaction
+/// flags) describe the stored message, not a copy of it; a copy gets its own.
+pub fn kept_properties(message: &MessageExt) -> HashMap<CheetahString, CheetahString> {
+    let kept = [MessageConst::PROPERTY_KEYS, MessageConst::PROPERTY_TAGS];
+    message
+        .properties()
+        .iter()
+        .filter(|(name, _)| kept.contains(&name.as_str()) || !STRING_HASH_SET.contains(name.as_str()))
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect()
+}
+
+/// Sends `message` through `producer` and waits up to `timeout` for the broker to store it:
+/// only `SEND_OK` is success, as a copy whose original is removed afterwards must be stored
+/// durably first.
+pub async fn send_stored(
+    producer: &DefaultMQProducer,
+    message: Message,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let timeout = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+    match producer.send_with_timeout(message, timeout).await? {
+        Some(result) if result.send_status == SendStatus::SendOk => Ok(()),
+        Some(result) => Err(Error::NotStored(result.send_status)),
+        None => Err(Error::NoSendResult),
     }
 }
 

@@ -1,8 +1,10 @@
 //! `oncely dlq`: dead letters, read through oncely's dead-letter schema
-//! ([`oncely::dead_letter`]), whichever broker they came through. What depends on the broker
-//! is in its module (`amqp.rs`: RabbitMQ's `QUEUE.dlq`).
+//! ([`oncely::dead_letter`]), whichever broker they came through. The commands are written
+//! once here, over [`DeadLetters`]; what depends on the broker is in its module (`amqp.rs`:
+//! RabbitMQ's `QUEUE.dlq`; `rocketmq.rs`: a RocketMQ dead-letter topic).
 
 mod amqp;
+mod rocketmq;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -10,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgGroup, Args, Subcommand};
 use oncely::DeadLetterReason;
-use oncely::dead_letter::MAX_VALUE_CHARS;
+use oncely::dead_letter::{self, MAX_VALUE_CHARS};
 use serde::Serialize;
 
 use crate::Globals;
@@ -23,15 +25,18 @@ const HISTORY_DETAIL_CHARS: usize = 160;
 /// What `oncely dlq` does.
 #[derive(Debug, Subcommand)]
 pub(crate) enum DlqCommand {
-    /// Lists the dead letters of QUEUE.dlq (and leaves them there).
-    #[command(after_help = "Example:\n  oncely dlq list --queue orders --reason rejected --since 2h")]
+    /// Lists dead letters (and leaves them there).
+    #[command(
+        after_help = "Example:\n  oncely dlq list --queue orders --reason rejected --since 2h\n  \
+                            oncely dlq list --topic points_dead_letters --route points"
+    )]
     List(Filter),
     /// Shows one dead letter whole: properties, headers and body.
     #[command(after_help = "Example:\n  oncely dlq show --queue orders --position 3")]
     Show(ShowArgs),
-    /// Sends dead letters back to their work queue with a fresh attempt counter and the
-    /// reason kept in a history header; each is removed only once the broker confirmed its
-    /// copy.
+    /// Sends dead letters back where they were consumed from, with a fresh attempt counter
+    /// and the reason kept in a history header; each is removed only once the broker
+    /// confirmed its copy.
     #[command(after_help = "Example:\n  oncely dlq replay --queue orders --reason rejected --dry-run")]
     Replay(ChangeArgs),
     /// Deletes dead letters.
@@ -39,12 +44,23 @@ pub(crate) enum DlqCommand {
     Purge(ChangeArgs),
 }
 
+/// Where the dead letters are: RabbitMQ's `--queue` or RocketMQ's `--topic`.
+#[derive(Clone, Debug, Args)]
+#[group(required = true, multiple = false)]
+pub(crate) struct Destination {
+    /// RabbitMQ: the work queue; its dead letters are in QUEUE.dlq.
+    #[arg(long)]
+    queue: Option<String>,
+    /// RocketMQ: the dead-letter topic the listeners' `DeadLetterTopic` writes to.
+    #[arg(long)]
+    topic: Option<String>,
+}
+
 /// Which dead letters a command takes.
 #[derive(Clone, Debug, Args)]
 pub(crate) struct Filter {
-    /// The work queue; its dead letters are in QUEUE.dlq.
-    #[arg(long)]
-    queue: String,
+    #[command(flatten)]
+    at: Destination,
     /// Only this reason.
     #[arg(long, value_parser = reason_parser())]
     reason: Option<DeadLetterReason>,
@@ -54,7 +70,8 @@ pub(crate) struct Filter {
     /// Only dead letters dead-lettered within this long (`2h`, `30m`).
     #[arg(long, value_parser = humantime::parse_duration)]
     since: Option<Duration>,
-    /// At most this many (reading stops there).
+    /// At most this many (RabbitMQ stops reading there; RocketMQ reads every dead letter not
+    /// handled yet first).
     #[arg(long)]
     limit: Option<usize>,
 }
@@ -69,9 +86,8 @@ fn reason_parser() -> impl TypedValueParser<Value = DeadLetterReason> {
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("which").required(true).args(["id", "position"])))]
 pub(crate) struct ShowArgs {
-    /// The work queue; its dead letters are in QUEUE.dlq.
-    #[arg(long)]
-    queue: String,
+    #[command(flatten)]
+    at: Destination,
     /// The dead letter with this message id.
     #[arg(long)]
     id: Option<String>,
@@ -96,15 +112,107 @@ pub(crate) struct ChangeArgs {
     yes: bool,
 }
 
-/// Runs a `dlq` command.
+/// Runs a `dlq` command on the broker its destination names.
 pub(crate) async fn run(globals: &Globals, command: &DlqCommand) -> Result<(), CliError> {
-    match command {
-        DlqCommand::List(filter) => amqp::list(globals, filter).await,
-        DlqCommand::Show(args) => amqp::show(globals, args).await,
-        DlqCommand::Replay(args) => amqp::replay(globals, args).await,
-        DlqCommand::Purge(args) => amqp::purge(globals, args).await,
+    let at = match command {
+        DlqCommand::List(filter) => &filter.at,
+        DlqCommand::Show(args) => &args.at,
+        DlqCommand::Replay(args) | DlqCommand::Purge(args) => &args.filter.at,
+    };
+    match (&at.queue, &at.topic) {
+        (Some(queue), _) => {
+            on(
+                amqp::DeadLetterQueue::open(globals, queue).await?,
+                globals,
+                command,
+            )
+            .await
+        }
+        (None, Some(topic)) => {
+            on(
+                rocketmq::DeadLetterTopic::open(globals, topic).await?,
+                globals,
+                command,
+            )
+            .await
+        }
+        (None, None) => unreachable!("clap requires --queue or --topic"),
     }
 }
+
+async fn on<D: DeadLetters>(dead: D, globals: &Globals, command: &DlqCommand) -> Result<(), CliError> {
+    match command {
+        DlqCommand::List(filter) => list(dead, globals, filter).await,
+        DlqCommand::Show(args) => show(dead, globals, args).await,
+        DlqCommand::Replay(args) => change(dead, globals, args, Action::Replay).await,
+        DlqCommand::Purge(args) => change(dead, globals, args, Action::Purge).await,
+    }
+}
+
+/// One broker's dead-letter destination, as the commands use it. Dead letters read stay
+/// where they are until [`remove`](Self::remove)d; [`finish`](Self::finish) leaves the others
+/// as they were and lets go of the broker.
+trait DeadLetters {
+    /// A dead letter as the broker handed it over.
+    type Message;
+
+    /// Its name in reports: `orders.dlq`, `topic points_dead_letters`.
+    fn name(&self) -> &str;
+
+    /// Reads the dead letters there now, in order and numbered from 1, leaving them in place;
+    /// those arriving meanwhile are not waited for. Reading may stop once `filter`'s
+    /// `--limit` matched.
+    async fn read(
+        &mut self,
+        filter: Option<&Filter>,
+    ) -> Result<Vec<(DeadLetterInfo, Self::Message)>, CliError>;
+
+    /// `message` whole, for `dlq show`.
+    fn whole<'m>(&self, message: &'m Self::Message) -> Whole<'m>;
+
+    /// Whether `replay` may send this dead letter back: oncely's, with a source this
+    /// destination replays to.
+    fn replayable(&self, info: &DeadLetterInfo) -> bool;
+
+    /// Before a replay reads anything (a dry run too): checks that copies have somewhere to
+    /// go.
+    async fn check_replay(&self) -> Result<(), CliError>;
+
+    /// Sends a copy of `message` back to its source — the dead-letter metadata and the
+    /// runner's counters dropped, the reason kept in the history — and waits until the broker
+    /// stored it.
+    async fn replay(&mut self, info: &DeadLetterInfo, message: &Self::Message) -> Result<(), CliError>;
+
+    /// Removes a dead letter read, in the order read. Answers how many others, left in
+    /// place, had to be written again at the end of the destination for that.
+    async fn remove(&mut self, info: &DeadLetterInfo, message: &Self::Message) -> Result<usize, CliError>;
+
+    /// Leaves every dead letter read and not removed in the destination, and lets go of the
+    /// broker.
+    async fn finish(self) -> Result<(), CliError>;
+}
+
+/// A dead letter whole, as `dlq show` prints it.
+struct Whole<'m> {
+    /// The broker's properties of the message (ids, times, keys).
+    properties: BTreeMap<&'static str, String>,
+    /// Its headers or user properties, as text.
+    headers: BTreeMap<String, String>,
+    body: &'m [u8],
+}
+
+/// What a replayed copy must not carry: the dead-letter schema; the history keeps the
+/// reason. Each broker adds its own counters.
+const SCHEMA_NAMES: [&str; 8] = [
+    dead_letter::REASON,
+    dead_letter::DETAIL,
+    dead_letter::ATTEMPTS,
+    dead_letter::ROUTE,
+    dead_letter::SOURCE,
+    dead_letter::DEAD_LETTERED_AT,
+    dead_letter::MESSAGE_ID,
+    dead_letter::BODY_CUT,
+];
 
 /// One dead letter, as the dead-letter schema describes it.
 #[derive(Clone, Debug, Serialize)]
@@ -238,7 +346,7 @@ fn letters_table(letters: &[DeadLetterInfo]) -> String {
 /// `dlq list`'s report.
 #[derive(Debug, Serialize)]
 struct ListView {
-    dead_letter_queue: String,
+    destination: String,
     /// Messages read (every one, up to `--limit` matches).
     read: usize,
     dead_letters: Vec<DeadLetterInfo>,
@@ -249,7 +357,7 @@ impl Report for ListView {
         if self.dead_letters.is_empty() {
             return format!(
                 "no matching dead letter in {} ({} read)",
-                self.dead_letter_queue, self.read
+                self.destination, self.read
             );
         }
         format!(
@@ -257,7 +365,7 @@ impl Report for ListView {
             letters_table(&self.dead_letters),
             self.dead_letters.len(),
             self.read,
-            self.dead_letter_queue
+            self.destination
         )
     }
 }
@@ -267,15 +375,18 @@ impl Report for ListView {
 struct ChangeView {
     /// `replay` or `purge`.
     action: &'static str,
-    dead_letter_queue: String,
+    destination: String,
     dry_run: bool,
     /// Those replayed or purged (with `--dry-run`: those that would be).
     done: Vec<DeadLetterInfo>,
-    /// Matching dead letters `replay` left in place: their headers are not oncely's, or their
-    /// source is not `--queue`.
+    /// Matching dead letters left in place: their headers are not oncely's, or (`replay`)
+    /// their source is not where this destination replays to.
     not_oncely: Vec<DeadLetterInfo>,
     /// Matching dead letters left in place because the command stopped on an error.
     not_done: usize,
+    /// Dead letters left in place that had to be written again at the end of the
+    /// destination, so that those done could be removed (RocketMQ; see `rocketmq.rs`).
+    written_again: usize,
 }
 
 impl Report for ChangeView {
@@ -291,11 +402,7 @@ impl Report for ChangeView {
             (_, true) => "would purge",
             (_, false) => "purged",
         };
-        text.push_str(&format!(
-            "{verb} {} from {}",
-            self.done.len(),
-            self.dead_letter_queue
-        ));
+        text.push_str(&format!("{verb} {} from {}", self.done.len(), self.destination));
         if self.not_done > 0 {
             text.push_str(&format!(
                 "; {} left in place after the error below",
@@ -309,12 +416,213 @@ impl Report for ChangeView {
                 .map(|l| format!("#{}", l.position))
                 .collect();
             text.push_str(&format!(
-                "; left in place, not oncely's or from another queue (x-oncely-source): {}",
+                "; left in place, not oncely's or from elsewhere (x-oncely-source): {}",
                 positions.join(", ")
+            ));
+        }
+        if self.written_again > 0 {
+            text.push_str(&format!(
+                "; {} left in place were written again at the end of {}",
+                self.written_again, self.destination
             ));
         }
         text
     }
+}
+
+/// `oncely dlq list`.
+async fn list<D: DeadLetters>(mut dead: D, globals: &Globals, filter: &Filter) -> Result<(), CliError> {
+    let read = dead.read(Some(filter)).await?;
+    let now = SystemTime::now();
+    let view = ListView {
+        destination: dead.name().to_owned(),
+        read: read.len(),
+        dead_letters: read
+            .iter()
+            .map(|(info, _)| info)
+            .filter(|info| info.matches(filter, now))
+            .cloned()
+            .collect(),
+    };
+    dead.finish().await?;
+    output::print(&view, globals.json)
+}
+
+/// `dlq show`'s report.
+#[derive(Debug, Serialize)]
+struct ShowView {
+    dead_letter: DeadLetterInfo,
+    properties: BTreeMap<&'static str, String>,
+    headers: BTreeMap<String, String>,
+    /// `utf-8` (lossy) or `hex`.
+    body_encoding: &'static str,
+    body: String,
+}
+
+impl ShowView {
+    fn new(info: &DeadLetterInfo, whole: Whole<'_>, hex: bool) -> Self {
+        let (body_encoding, body) = match hex {
+            true => (
+                "hex",
+                whole.body.iter().map(|byte| format!("{byte:02x}")).collect(),
+            ),
+            false => ("utf-8", String::from_utf8_lossy(whole.body).into_owned()),
+        };
+        ShowView {
+            dead_letter: info.clone(),
+            properties: whole.properties,
+            headers: whole.headers,
+            body_encoding,
+            body,
+        }
+    }
+}
+
+impl Report for ShowView {
+    fn human(&self) -> String {
+        let properties = output::fields(self.properties.iter().map(|(name, value)| (*name, value.clone())));
+        let headers = output::fields(
+            self.headers
+                .iter()
+                .map(|(name, value)| (name.as_str(), value.clone())),
+        );
+        format!(
+            "dead letter #{}\n\nproperties\n{properties}\n\nheaders\n{headers}\n\nbody ({} bytes, {})\n{}",
+            self.dead_letter.position, self.dead_letter.body_bytes, self.body_encoding, self.body
+        )
+    }
+}
+
+/// `oncely dlq show`.
+async fn show<D: DeadLetters>(mut dead: D, globals: &Globals, args: &ShowArgs) -> Result<(), CliError> {
+    let read = dead.read(None).await?;
+    let found = read.iter().find(|(info, _)| match (&args.id, args.position) {
+        (Some(id), _) => info.message_id.as_ref() == Some(id),
+        (None, Some(position)) => info.position == position,
+        (None, None) => false,
+    });
+    let view = found.map(|(info, message)| ShowView::new(info, dead.whole(message), args.body_hex));
+    let name = dead.name().to_owned();
+    dead.finish().await?;
+    match view {
+        Some(view) => output::print(&view, globals.json),
+        None => Err(CliError::NotFound(match &args.id {
+            Some(id) => format!("no dead letter with message id {id:?} in {name}"),
+            None => format!("no dead letter at that position in {name}"),
+        })),
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Action {
+    Replay,
+    Purge,
+}
+
+/// Reads, asks, then replays or purges the matching dead letters one by one, and leaves the
+/// rest in place. Stops at the first failure: those not done stay where they were.
+async fn change<D: DeadLetters>(
+    mut dead: D,
+    globals: &Globals,
+    args: &ChangeArgs,
+    action: Action,
+) -> Result<(), CliError> {
+    let filter = &args.filter;
+    if action == Action::Replay {
+        dead.check_replay().await?;
+    }
+    let read = dead.read(Some(filter)).await?;
+    let now = SystemTime::now();
+    let (matching, not_oncely): (Vec<_>, Vec<_>) = read
+        .iter()
+        .filter(|(info, _)| info.matches(filter, now))
+        .partition(|(info, _)| match action {
+            // A replay sends a copy only where this destination replays to: a dead letter
+            // that is not oncely's, or that names another source (moved or written by hand),
+            // stays where it is.
+            Action::Replay => dead.replayable(info),
+            // The broker's own dead letters (past its delivery limit) are the only copy left
+            // of their message: the tool deletes oncely's only.
+            Action::Purge => info.oncely,
+        });
+    let mut view = ChangeView {
+        action: match action {
+            Action::Replay => "replay",
+            Action::Purge => "purge",
+        },
+        destination: dead.name().to_owned(),
+        dry_run: args.dry_run,
+        done: Vec::new(),
+        not_oncely: not_oncely.iter().map(|(info, _)| info.clone()).collect(),
+        not_done: 0,
+        written_again: 0,
+    };
+    let answer = match args.dry_run {
+        true => {
+            view.done = matching.iter().map(|(info, _)| info.clone()).collect();
+            Ok(())
+        }
+        false => apply(&mut dead, globals, args, action, &matching, &mut view).await,
+    };
+    // The report first: what was done must reach the operator even if leaving the rest in
+    // place fails (the connection died with the error that stopped the command).
+    let finished = dead.finish().await;
+    output::print(&view, globals.json)?;
+    answer?;
+    finished?;
+    match view.not_oncely.len() {
+        0 => Ok(()),
+        skipped => Err(CliError::Incomplete(format!(
+            "{skipped} dead letters are not oncely's, or name another source, and were left in place \
+             (see `oncely dlq show`)"
+        ))),
+    }
+}
+
+/// Confirms, then replays or purges `matching` in order, noting each done in `view`.
+async fn apply<D: DeadLetters>(
+    dead: &mut D,
+    globals: &Globals,
+    args: &ChangeArgs,
+    action: Action,
+    matching: &[&(DeadLetterInfo, D::Message)],
+    view: &mut ChangeView,
+) -> Result<(), CliError> {
+    if matching.is_empty() {
+        return Ok(());
+    }
+    let question = match action {
+        Action::Replay => format!(
+            "replay {} dead letters from {} to where they were consumed from?",
+            matching.len(),
+            dead.name()
+        ),
+        Action::Purge => format!("delete {} dead letters from {}?", matching.len(), dead.name()),
+    };
+    output::confirm(question, args.yes).await?;
+    let bar = output::progress(matching.len() as u64, view.action, globals.json);
+    for (index, (info, message)) in matching.iter().enumerate() {
+        let step = match action {
+            Action::Replay => dead.replay(info, message).await,
+            Action::Purge => Ok(()),
+        };
+        let removed = match step {
+            Ok(()) => dead.remove(info, message).await,
+            Err(error) => Err(error),
+        };
+        match removed {
+            Ok(written_again) => view.written_again += written_again,
+            Err(error) => {
+                bar.abandon();
+                view.not_done = matching.len() - index;
+                return Err(error);
+            }
+        }
+        view.done.push(info.clone());
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(())
 }
 
 #[cfg(test)]

@@ -85,3 +85,16 @@ pub(crate) async fn effects_of(schema: &ScratchSchema, key: &str) -> i64 {
         .count(&format!("SELECT count(*) FROM effects WHERE order_id = '{key}'"))
         .await
 }
+
+/// The reason codes of a `dlq list --json` report, sorted; `-` for a message that is not
+/// oncely's.
+pub(crate) fn reasons(list: &Value) -> Vec<String> {
+    let mut reasons: Vec<String> = list["dead_letters"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a list: {list}"))
+        .iter()
+        .map(|letter| letter["reason"].as_str().unwrap_or("-").to_owned())
+        .collect();
+    reasons.sort();
+    reasons
+}

@@ -37,6 +37,8 @@ mod store;
 #[cfg(feature = "memory")]
 pub use crate::store::memory::record::MemoryRecordStore;
 #[cfg(feature = "mysql")]
+pub use crate::store::mysql::admin::MysqlRecordAdmin;
+#[cfg(feature = "mysql")]
 pub use crate::store::mysql::claims::MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES;
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::record::{
@@ -46,12 +48,14 @@ pub use crate::store::mysql::record::{
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::transaction::MysqlTransaction;
 #[cfg(feature = "postgres")]
-pub use crate::store::postgres::admin::{PgRecordAdmin, RecordRow, RecordStats, StuckReport};
+pub use crate::store::postgres::admin::PgRecordAdmin;
 #[cfg(feature = "postgres")]
 pub use crate::store::postgres::record::{
     CommitRows, PgBatchHandlerService, PgBatchedLayer, PgBatchedService, PgRecordStore, PgRetentionRunner,
     PgTransaction, PgTransactionalLayer, PgTransactionalTicket,
 };
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use crate::store::sql::admin::{RecordRow, RecordStats, StuckReport};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use crate::store::sql::batched::{
     BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService,

@@ -22,9 +22,9 @@ use crate::store::sql::{
 /// The longest business key the record table holds (`VARBINARY(1024)`), in bytes.
 pub const MAX_KEY_BYTES: usize = 1024;
 
-/// How much of a failure's text is kept: `TEXT` holds 64 KiB, and 4-byte characters fill
-/// it at 16 Ki.
-const MAX_ERROR_CHARS: usize = 16 * 1024;
+/// How much of a failure's text is kept: `TEXT` holds 65,535 bytes, so 16 Ki characters of
+/// 4 bytes (65,536) would be one byte too many under strict mode; one character fewer fits.
+pub(crate) const MAX_ERROR_CHARS: usize = 16 * 1024 - 1;
 
 /// Every statement on the record table, with its name filled in.
 #[derive(Debug)]
@@ -364,16 +364,25 @@ fn hex(bytes: &[u8]) -> String {
 
 /// A `message_key` column's bytes as a key.
 pub(crate) fn key_of(bytes: Vec<u8>) -> Result<BusinessKey, StoreError> {
-    String::from_utf8(bytes)
-        .map(BusinessKey::new)
-        .map_err(|_| StoreError::malformed("a record key that is not UTF-8"))
+    key_text(bytes).map(BusinessKey::new)
+}
+
+/// A `message_key` column's bytes as text.
+pub(crate) fn key_text(bytes: Vec<u8>) -> Result<String, StoreError> {
+    String::from_utf8(bytes).map_err(|_| StoreError::malformed("a record key that is not UTF-8"))
+}
+
+/// A time the statements read as microseconds since the epoch
+/// (`TIMESTAMPDIFF(MICROSECOND, '1970-01-01', column)`): sqlx reads `DATETIME` only with a
+/// time crate.
+pub(crate) fn time_of(micros: i64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }
 
 /// One key's record as the table holds it.
 pub(crate) fn read_record(row: &MySqlRow) -> Result<ConsumptionRecord, StoreError> {
     let key = key_of(row.try_get(0)?)?;
     let retry_count: i32 = row.try_get(2)?;
-    let at = |micros: i64| SystemTime::UNIX_EPOCH + Duration::from_micros(u64::try_from(micros).unwrap_or(0));
     let fencing_token: Option<i64> = row.try_get(7)?;
     Ok(ConsumptionRecord {
         key,
@@ -381,8 +390,8 @@ pub(crate) fn read_record(row: &MySqlRow) -> Result<ConsumptionRecord, StoreErro
         attempts: u32::try_from(retry_count).unwrap_or(0) + 1,
         last_error: row.try_get(3)?,
         fingerprint: parse_fingerprint(row.try_get(4)?)?,
-        created_at: at(row.try_get(5)?),
-        updated_at: at(row.try_get(6)?),
+        created_at: time_of(row.try_get(5)?),
+        updated_at: time_of(row.try_get(6)?),
         fencing_token: fencing_token.and_then(|token| u64::try_from(token).ok()),
     })
 }

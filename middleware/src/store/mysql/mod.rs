@@ -1,12 +1,13 @@
 //! The MySQL and MariaDB store, on sqlx's driver: the record tier (three-step store,
 //! transactional tier on an XA transaction, its half of the batched mode, the reconciler's
-//! statements), the state guard's store, the lock store, the pre-filter's rebuild, the
+//! statements, the operator's view in `admin.rs`), the state guard's store, the lock store, the pre-filter's rebuild, the
 //! status helpers, their names and migrations. What it shares with PostgreSQL (how a claim that finds a row answers, the
 //! batched lanes) is in `store/sql/`.
 //!
 //! Every value goes to the server as a bound parameter; the table name cannot be one, so it
 //! is validated ([`Table`]) and quoted before it is put into SQL.
 
+pub(crate) mod admin;
 pub(crate) mod claims;
 pub(crate) mod lock;
 #[cfg(feature = "prefilter")]

@@ -1,153 +1,58 @@
-//! The operator's statements on the record table: what `oncely inspect`, `stuck`, `release`,
-//! `mark-done` and `stats` read and change. They live beside the record tier's own
-//! statements so that whoever changes the table's meaning sees them too.
+//! The operator's statements on the PostgreSQL record table: what `oncely inspect`, `stuck`,
+//! `release`, `mark-done`, `stats` and `purge` read and change. The statements and the row
+//! types are both SQL stores' (`store/sql/admin.rs`); here are PostgreSQL's spelling of them
+//! and its plumbing.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::Row;
 
 use super::{Checkout, Table};
 use crate::error::StoreError;
-use crate::fingerprint::Fingerprint;
-use crate::record::RecordStatus;
-use crate::store::sql::{parse_fingerprint, parse_status, to_i64};
-
-/// The columns every statement that reads whole rows returns, in [`read_row`]'s order.
-const COLUMNS: &str = "message_key, status, retry_count, error_details, payload_fingerprint, fencing_token,
-                       lease_until, created_at, updated_at";
-
-/// The note `release` writes in front of a row's error text.
-const RELEASED: &str = "released by an operator";
-/// The note `mark_done` writes in front of a row's error text.
-const MARKED_DONE: &str = "marked done by an operator";
+use crate::store::sql::admin::{AdminStatements, Dialect, RecordRow, RecordStats, StuckReport, count};
+use crate::store::sql::to_i64;
 
 /// An operator's view of a PostgreSQL record table (made by
 /// [`migrate`](crate::postgres::migrate)): one key's row, the stuck rows, counts, and the two
 /// hand settlements an operator makes after checking a stuck key by hand.
 ///
 /// Each call takes a pooled connection for its statements; none holds a lock beyond its
-/// statement, so it is safe while consumers run.
+/// statement, so it is safe while consumers run. It sets no time limit: bound the pool's
+/// sessions (`statement_timeout`, `lock_timeout`) and each call, as `oncely` does.
 #[derive(Clone, Debug)]
 pub struct PgRecordAdmin {
     pool: Pool,
     table: Table,
-    statements: Statements,
+    statements: AdminStatements,
 }
 
-/// One row of the record table, as an operator reads it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RecordRow {
-    /// The business key.
-    pub key: String,
-    /// Its status.
-    pub status: RecordStatus,
-    /// Attempts begun: the first plus each takeover (`retry_count + 1`).
-    pub attempts: u32,
-    /// The last error text (`error_details`), with the operator's notes.
-    pub last_error: Option<String>,
-    /// The fingerprint of the payload the key was first seen with.
-    pub fingerprint: Fingerprint,
-    /// The lock's fencing token of the attempt that last wrote the row, if a lock ran.
-    pub fencing_token: Option<u64>,
-    /// Until when a `PROCESSING` attempt holds the key (three-step mode); `None` otherwise.
-    pub lease_until: Option<SystemTime>,
-    /// When the key was first seen.
-    pub created_at: SystemTime,
-    /// When the row last changed.
-    pub updated_at: SystemTime,
-}
+/// PostgreSQL's spelling of the operator's statements.
+struct Postgres;
 
-/// The `PROCESSING` rows past their lease, oldest lease first: attempts that crashed, or
-/// that run longer than their lease.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct StuckReport {
-    /// How many rows are stuck in all.
-    pub total: u64,
-    /// The first of them, up to the limit asked for.
-    pub rows: Vec<RecordRow>,
-}
+impl Dialect for Postgres {
+    const NOW: &'static str = "now()";
 
-/// The record table at a glance.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RecordStats {
-    /// Rows `PROCESSING`.
-    pub processing: u64,
-    /// Of them, rows past their lease ([`PgRecordAdmin::stuck`]).
-    pub stuck: u64,
-    /// Rows `SUCCESS`.
-    pub success: u64,
-    /// Rows `FAILURE`.
-    pub failure: u64,
-    /// When the oldest `PROCESSING` row was first seen.
-    pub oldest_processing_created_at: Option<SystemTime>,
-    /// The earliest lease of a `PROCESSING` row.
-    pub oldest_processing_lease_until: Option<SystemTime>,
-    /// The table's size on disk with its indexes and TOAST, in bytes.
-    pub table_bytes: u64,
-    /// The retention horizon: when the oldest `SUCCESS` row was settled. A duplicate of a
-    /// key settled before it is no longer recognised by the record.
-    pub oldest_success_updated_at: Option<SystemTime>,
-}
+    fn parameter(n: usize) -> String {
+        format!("${n}")
+    }
 
-/// The SQL text of every statement, with the table name filled in.
-#[derive(Clone, Debug)]
-struct Statements {
-    inspect: String,
-    stuck: String,
-    stuck_count: String,
-    release: String,
-    mark_done: String,
-    stats: String,
-    purgeable: String,
-}
+    fn time(expression: &str) -> String {
+        // `timestamptz`, which the driver reads as a `SystemTime`.
+        expression.to_owned()
+    }
 
-impl Statements {
-    fn new(table: &Table) -> Self {
-        // The operator decided on the row as shown: a delivery that took the key over since
-        // (a new attempt, or a new lease), or a lease still running unless forced ($4),
-        // leaves it unchanged.
-        let same_attempt = "status = $2 AND retry_count = $3
-                 AND ($4 OR lease_until IS NULL OR lease_until < now())";
-        Statements {
-            inspect: format!("SELECT {COLUMNS} FROM {table} WHERE message_key = $1"),
-            stuck: format!(
-                "SELECT {COLUMNS} FROM {table} WHERE status = 'PROCESSING' AND lease_until < now()
-                 ORDER BY lease_until LIMIT $1"
-            ),
-            stuck_count: format!(
-                "SELECT count(*) FROM {table} WHERE status = 'PROCESSING' AND lease_until < now()"
-            ),
-            // FAILURE, as a failed attempt leaves it: the key's next delivery takes it over.
-            release: format!(
-                "UPDATE {table} SET status = 'FAILURE', lease_until = NULL, updated_at = now(),
-                        error_details = concat_ws('; ', '{RELEASED}'::text, error_details)
-                 WHERE message_key = $1 AND status = 'PROCESSING' AND {same_attempt}"
-            ),
-            mark_done: format!(
-                "UPDATE {table} SET status = 'SUCCESS', lease_until = NULL, updated_at = now(),
-                        error_details = concat_ws('; ', '{MARKED_DONE}'::text, error_details)
-                 WHERE message_key = $1 AND status IN ('PROCESSING', 'FAILURE') AND {same_attempt}"
-            ),
-            stats: format!(
-                "SELECT count(*) FILTER (WHERE status = 'PROCESSING'),
-                        count(*) FILTER (WHERE status = 'PROCESSING' AND lease_until < now()),
-                        count(*) FILTER (WHERE status = 'SUCCESS'),
-                        count(*) FILTER (WHERE status = 'FAILURE'),
-                        min(created_at) FILTER (WHERE status = 'PROCESSING'),
-                        min(lease_until) FILTER (WHERE status = 'PROCESSING'),
-                        min(updated_at) FILTER (WHERE status = 'SUCCESS'),
-                        pg_total_relation_size($1::text::regclass)
-                 FROM {table}"
-            ),
-            purgeable: format!(
-                "SELECT count(*) FROM {table}
-                 WHERE status = 'SUCCESS' AND updated_at < now() - $1::bigint * interval '1 millisecond'"
-            ),
-        }
+    fn ago(parameter: &str) -> String {
+        // Milliseconds, as the retention purge binds its age.
+        format!("now() - {parameter}::bigint * interval '1 millisecond'")
+    }
+
+    fn noted(note: &str) -> String {
+        format!("concat_ws('; ', '{note}'::text, error_details)")
+    }
+
+    fn table_bytes(parameter: &str) -> String {
+        format!("pg_total_relation_size({parameter}::text::regclass)")
     }
 }
 
@@ -155,7 +60,7 @@ impl PgRecordAdmin {
     /// The operator's view of record table `table` on `pool`.
     pub fn new(pool: Pool, table: Table) -> Self {
         PgRecordAdmin {
-            statements: Statements::new(&table),
+            statements: AdminStatements::new::<Postgres>(&table),
             pool,
             table,
         }
@@ -260,24 +165,17 @@ impl PgRecordAdmin {
     }
 }
 
-/// A count from SQL, which has no unsigned type.
-fn count(value: i64) -> u64 {
-    u64::try_from(value).unwrap_or(0)
-}
-
-/// A row of [`COLUMNS`].
+/// A row of [`AdminStatements`]' whole-row columns.
 fn read_row(row: &Row) -> Result<RecordRow, StoreError> {
-    let retry_count: i32 = row.get(2);
-    let fencing_token: Option<i64> = row.get(5);
-    Ok(RecordRow {
-        key: row.get(0),
-        status: parse_status(row.get(1))?,
-        attempts: u32::try_from(retry_count).unwrap_or(0).saturating_add(1),
-        last_error: row.get(3),
-        fingerprint: parse_fingerprint(row.get(4))?,
-        fencing_token: fencing_token.and_then(|token| u64::try_from(token).ok()),
-        lease_until: row.get(6),
-        created_at: row.get(7),
-        updated_at: row.get(8),
-    })
+    RecordRow::from_columns(
+        row.get(0),
+        row.get(1),
+        row.get(2),
+        row.get(3),
+        row.get(4),
+        row.get(5),
+        row.get(6),
+        row.get(7),
+        row.get(8),
+    )
 }

@@ -1,10 +1,12 @@
-//! What the SQL stores share, written once: how a record row reads back, what a claim
+//! What the SQL stores share, written once: the operator's view of a record table and its
+//! statements (`admin.rs`), how a record row reads back, what a claim
 //! that finds a row it may not take answers, the three-step store's claim coalescing
 //! (`coalesce.rs`), the pre-filter's rebuild from a record table (`prefilter.rs`), and the
 //! batched transactional mode (`batched/`), which runs on any
 //! store's transactional record. Each SQL store (`postgres/`, `mysql/`) keeps its own
 //! statements and plumbing and calls these.
 
+pub(crate) mod admin;
 pub(crate) mod batched;
 pub(crate) mod coalesce;
 #[cfg(feature = "prefilter")]

@@ -35,7 +35,7 @@ use crate::store::sql::{ClaimRequest, to_i64};
 /// Limits: business keys up to [`MYSQL_MAX_KEY_BYTES`](crate::record::MYSQL_MAX_KEY_BYTES)
 /// (the route's default limit of 256 bytes fits): a longer one is refused with a
 /// [`StoreError`], never cut, since a cut key could be another key. Error texts are kept up
-/// to 16 KiB. For effects in the same database, the [`MysqlTransactionalLayer`] commits the
+/// to 16,383 characters (what `TEXT` holds of 4-byte ones). For effects in the same database, the [`MysqlTransactionalLayer`] commits the
 /// record with them instead.
 #[derive(Clone)]
 pub struct MysqlRecordStore {
