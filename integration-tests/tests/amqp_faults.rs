@@ -8,8 +8,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use integration_tests::amqp::{
-    Broker, Runs, crash_on_notify, drain, header_text, ready_messages, scratch_topology, start_runner,
-    stop_runner, topology_with_orders,
+    Broker, Runs, close_connections_on, crash_on_notify, drain, header_text, ready_messages,
+    scratch_topology, start_runner, stop_runner, topology_with_orders,
 };
 use integration_tests::amqp_tap::AmqpTap;
 use integration_tests::dead_letter;
@@ -34,6 +34,7 @@ on_both_brokers!(
     deliveries_received_but_not_started_at_shutdown_come_back_uncounted,
     counters_a_producer_sets_on_a_first_delivery_change_nothing,
     runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_crash,
+    acks_never_pass_a_delivery_still_running,
 );
 
 /// A fresh topology holding the order `poison`, then `oks` orders `ok-0`, `ok-1`, ….
@@ -627,4 +628,50 @@ async fn runners_sharing_a_gate_never_blame_one_runners_suspect_for_anothers_cra
     assert_eq!(runs.of("s-1"), 1, "the suspect ran once, to its end");
     poisoned.delete(&channel).await.unwrap();
     innocent.delete(&channel).await.unwrap();
+}
+
+/// No ack covers a delivery still running: the first delivery hangs while the ones behind
+/// it finish and are acked, then the consumer loses its connection. Had an ack covered the
+/// hanging one (an ack with `multiple` for those behind it, say), its message would be gone;
+/// it comes back and runs again.
+async fn acks_never_pass_a_delivery_still_running(broker: Broker) {
+    let orders = ["slow", "o-0", "o-1", "o-2", "o-3"];
+    let (topology, channel) = topology_with_orders(broker, "multiple-acks", &orders).await;
+    let runs = Runs::default();
+    let hung = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handler = {
+        let (runs, hung) = (runs.clone(), hung.clone());
+        handler_fn(move |envelope: Envelope| {
+            runs.count(&envelope);
+            let hang =
+                envelope.key().as_str() == "slow" && !hung.swap(true, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<(), HandlerError>(())
+            }
+        })
+    };
+    let route = Route::new("multiple-acks", KeyExtractor::json_pointer("/orderId"), handler);
+    let name = unique("oncely-test-multiple-acks");
+    // A short grace: the lost channel's run abandons the hanging call and reconnects.
+    let runner = Runner::new(route, topology.clone())
+        .with_prefetch(20)
+        .with_concurrency(10)
+        .with_shutdown_grace(Duration::from_millis(200));
+    let (shutdown, running) = start_runner(runner, broker.address(), &name);
+    wait_until(Duration::from_secs(10), || async {
+        runs.of("slow") == 1 && runs.keys_starting("o-") == 4
+    })
+    .await;
+    // The four behind it are settled; give their acks time to reach the broker.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let closed = tokio::task::spawn_blocking(move || close_connections_on(broker, &name))
+        .await
+        .unwrap();
+    assert_eq!(closed, 1);
+    wait_until(Duration::from_secs(30), || async { runs.of("slow") == 2 }).await;
+    stop_runner(shutdown, running).await;
+    topology.delete(&channel).await.unwrap();
 }
