@@ -152,10 +152,43 @@ async fn transactions(report: &mut Report) {
         baseline_name: Commits::PerDelivery.name(),
         unit: None,
         rows,
-        note: Some(
-            "The batched record's defaults: 4 lanes, batches of at most 16, joiners taken in for 10 ms."
-                .into(),
-        ),
+        note: Some(format!(
+            "The batched record's defaults: 4 lanes, batches of at most 16, joiners taken in for 10 ms.{}",
+            pgbench_ceiling(&schema)
+                .await
+                .map(|tps| format!(
+                    " For scale, pgbench on the same server (16 clients, each transaction one \
+                     `INSERT … ON CONFLICT DO NOTHING` of a new key): {tps:.0} transactions per second."
+                ))
+                .unwrap_or_default()
+        )),
         plot: Plot::Curves("PostgreSQL: "),
     });
+}
+
+/// The server's own limit for one-insert transactions, measured by pgbench when present: 16
+/// clients for 5 s, each transaction an `INSERT … ON CONFLICT DO NOTHING` of a random key
+/// into a table of `schema`'s. `None` without pgbench or when it fails.
+async fn pgbench_ceiling(schema: &ScratchSchema) -> Option<f64> {
+    schema
+        .execute("CREATE TABLE pgbench_keys (key TEXT PRIMARY KEY)")
+        .await;
+    let script = std::env::temp_dir().join(format!("oncely-pgbench-{}.sql", schema.name()));
+    let insert = format!(
+        "INSERT INTO {}.pgbench_keys VALUES (md5(random()::text)) ON CONFLICT DO NOTHING;\n",
+        schema.name()
+    );
+    std::fs::write(&script, insert).ok()?;
+    let output = std::process::Command::new("pgbench")
+        .args(["-n", "-c", "16", "-j", "2", "-T", "5", "-f"])
+        .arg(&script)
+        .arg(integration_tests::postgres::database_url())
+        .output();
+    let _ = std::fs::remove_file(&script);
+    let text = String::from_utf8(output.ok()?.stdout).ok()?;
+    // "tps = 3925.123456 (without initial connection time)"
+    text.lines()
+        .find_map(|line| line.strip_prefix("tps = "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|tps| tps.parse().ok())
 }

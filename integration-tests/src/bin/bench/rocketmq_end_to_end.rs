@@ -25,7 +25,7 @@ use tokio::runtime::Handle;
 use tower::ServiceBuilder;
 
 use crate::measure::median;
-use crate::report::{Plot, Report, Row, Section};
+use crate::report::{Plot, Report, Row, Section, Target};
 
 /// Messages on the topic, sent once before the first measurement.
 const MESSAGES: usize = 10_000;
@@ -206,7 +206,7 @@ impl Services {
 }
 
 /// Every listener against the raw one, each the median of [`ROUNDS`] taking turns; adds the
-/// table to `report`.
+/// table and the batched full stack's target to `report`.
 pub(crate) async fn run(report: &mut Report) {
     let mut services = Services::start().await;
     let mut rates = Listener::ALL.map(|_| Vec::new());
@@ -227,6 +227,12 @@ pub(crate) async fn run(report: &mut Report) {
             baseline: raw,
         })
         .collect();
+    report.add_target(Target {
+        what: "RocketMQ full stack, batched record",
+        ratio: Row::last_ratio(&rows, Listener::FullStackBatched.name()),
+        baseline: "a raw listener that only counts",
+        at_least: 0.25,
+    });
     report.add(Section {
         title: format!("RocketMQ end to end ({MESSAGES} messages, 4 queues, batches of {BATCH})"),
         baseline_name: Listener::Raw.name(),
