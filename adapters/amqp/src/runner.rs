@@ -14,6 +14,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
 use oncely::report::{RunReport, Tally};
+use oncely::tier::BoxFuture;
 use oncely::{
     BoxError, BrokerAction, DeadLetter, DeadLetterReason, Envelope, Outcome, RetryReason, Route, dead_letter,
 };
@@ -110,8 +111,10 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// [`with_drain`](Runner::with_drain) the run also ends by itself once it is drained: see
 /// there for what that means.
 pub struct Runner<S> {
-    route: Route<S>,
-    topology: Topology,
+    // Behind pointers: every delivery's task holds them, and cloning a route (its key
+    // rules) and a topology (its queue names) per delivery cost allocations on the hot path.
+    route: Arc<Route<S>>,
+    topology: Arc<Topology>,
     prefetch: u16,
     concurrency: usize,
     gate: SuspectGate,
@@ -142,8 +145,8 @@ where
     /// shutdown, a warning after 10 s without a publisher confirm.
     pub fn new(route: Route<S>, topology: Topology) -> Self {
         Runner {
-            route,
-            topology,
+            route: Arc::new(route),
+            topology: Arc::new(topology),
             prefetch: 64,
             concurrency: 64,
             gate: SuspectGate::new(),
@@ -291,6 +294,9 @@ where
         // Retry and dead-letter copies are published on this channel and must be confirmed
         // before the original is acked.
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        // Every delivery's task holds the channel: one pointer to clone rather than a lapin
+        // channel's many.
+        let channel = &Arc::new(channel.clone());
         // When one lane ends (shutdown, a failed channel), the other stops too.
         let stop = shutdown.child_token();
         // How many of this run's deliveries run at once; a suspect runs alone behind the gate.
@@ -606,17 +612,20 @@ where
     /// gone, a redelivery by the broker.
     fn settle_one(
         &self,
-        channel: Channel,
+        channel: Arc<Channel>,
         delivery: AmqpDelivery,
         lane: Lane,
         tally: Tally,
-    ) -> impl Future<Output = ()> + Send + 'static {
+    ) -> BoxFuture<()> {
         let route = self.route.clone();
         let topology = self.topology.clone();
         let max_deliveries = self.max_deliveries;
         let confirm_timeout = self.confirm_timeout;
         let suspicious = lane == Lane::Work && self.suspicious(&delivery);
-        async move {
+        // Boxed where it is made: the state machine holds the stack's call and the
+        // settlement's publish and timers, all of which moving it by value into its task
+        // would copy again at every step of the spawn.
+        Box::pin(async move {
             let settle = Settle {
                 channel: &channel,
                 delivery: &delivery,
@@ -662,7 +671,7 @@ where
                 Decision::ToSuspects(_) => tally.retried("returned_unsettled"),
                 Decision::Answer { outcome, .. } => tally.settled(&outcome),
             }
-        }
+        })
     }
 }
 
@@ -686,7 +695,7 @@ impl SuspectGate {
 /// What the lanes of one run share.
 #[derive(Clone, Copy)]
 struct Lanes<'a> {
-    channel: &'a Channel,
+    channel: &'a Arc<Channel>,
     /// How many of the run's deliveries run at once.
     permits: &'a Arc<Semaphore>,
     /// Ends both lanes: cancelled by the run's shutdown, by a lane that ended, or by drain.
