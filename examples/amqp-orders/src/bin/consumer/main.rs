@@ -50,7 +50,7 @@ where
     S::Future: Send,
 {
     let route = Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack);
-    let mut runner = Runner::new(route, Topology::new(QUEUE)).with_prefetch(64);
+    let mut runner = Runner::new(route, Topology::new(QUEUE));
     if drain {
         runner = runner.with_drain(Duration::from_secs(2));
     }
