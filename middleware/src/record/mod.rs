@@ -58,7 +58,8 @@ pub use crate::store::postgres::record::{
 pub use crate::store::sql::admin::{RecordRow, RecordStats, StuckReport};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use crate::store::sql::batched::{
-    BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService,
+    BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService, DEFAULT_LANES,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_LINGER,
 };
 pub use decision::RecordTicket;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

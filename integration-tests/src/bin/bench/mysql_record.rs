@@ -12,7 +12,7 @@ use oncely::record::{MysqlRecordStore, MysqlTransactionalLayer, RecordStore};
 use oncely::{BusinessKey, Delivery, Fingerprint, KeyExtractor, Outcome, Route, Source};
 
 use crate::measure::{Op, compare_at_each_level, op};
-use crate::report::{Plot, Report, Row, Section, Target};
+use crate::report::{Plot, Report, Row, Section, Target, batched_defaults};
 
 /// Both MySQL record benchmarks.
 pub(crate) async fn run(report: &mut Report) {
@@ -139,10 +139,7 @@ async fn transactions(report: &mut Report) {
         baseline_name: Commits::PerDelivery.name(),
         unit: None,
         rows,
-        note: Some(
-            "The batched record's defaults: 4 lanes, batches of at most 16, joiners taken in for 10 ms."
-                .into(),
-        ),
+        note: Some(batched_defaults()),
         plot: Plot::Curves("MariaDB: "),
     });
 }

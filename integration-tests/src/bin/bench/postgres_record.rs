@@ -12,7 +12,7 @@ use oncely::record::{PgRecordStore, PgTransactionalLayer, RecordStore};
 use oncely::{BusinessKey, Delivery, Fingerprint, KeyExtractor, Outcome, Route, Source};
 
 use crate::measure::{Op, compare_at_each_level, op};
-use crate::report::{Plot, Report, Row, Section, Target};
+use crate::report::{Plot, Report, Row, Section, Target, batched_defaults};
 
 /// How the record store sends its claims.
 #[derive(Clone, Copy)]
@@ -153,7 +153,8 @@ async fn transactions(report: &mut Report) {
         unit: None,
         rows,
         note: Some(format!(
-            "The batched record's defaults: 4 lanes, batches of at most 16, joiners taken in for 10 ms.{}",
+            "{}{}",
+            batched_defaults(),
             pgbench_ceiling(&schema)
                 .await
                 .map(|tps| format!(

@@ -195,3 +195,13 @@ impl fmt::Display for Report {
         writeln!(out, "## {}\n\n![{}]({CHART})", chart::TITLE, chart::ALT)
     }
 }
+
+/// The batched record's defaults, as the note under its measurements says them.
+pub(crate) fn batched_defaults() -> String {
+    use oncely::record::{DEFAULT_LANES, DEFAULT_MAX_BATCH, DEFAULT_MAX_LINGER};
+    format!(
+        "The batched record's defaults: {DEFAULT_LANES} lanes, batches of at most {DEFAULT_MAX_BATCH}, \
+         joiners taken in for {} ms.",
+        DEFAULT_MAX_LINGER.as_millis()
+    )
+}

@@ -30,8 +30,7 @@ pub type PgBatchHandlerService<H> = BatchHandlerService<H, PgTransactionalLayer>
 
 impl PgTransactionalLayer {
     /// The batched mode of this tier (same pool, table and in-flight delay): see
-    /// [`BatchedLayer`]. Defaults: 4 lanes, batches of at most 16 deliveries, taking in
-    /// joiners for at most 10 ms.
+    /// [`BatchedLayer`], which gives its defaults (lanes, batch size, linger).
     pub fn batched(&self) -> PgBatchedLayer {
         BatchedLayer::new(self.clone())
     }
