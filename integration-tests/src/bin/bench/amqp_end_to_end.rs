@@ -3,8 +3,11 @@
 //! full stack (the Redis flag with the record behind it, the Redis lock and the record, on
 //! PostgreSQL and on MySQL/MariaDB) — the record one
 //! transaction per delivery, batched with per-delivery handlers, and batched with a batch
-//! handler — next to a raw lapin consumer with the same prefetch that acks each message from
-//! its own task.
+//! handler — next to a raw lapin consumer that acks each message from its own task. The
+//! runner runs at its defaults (prefetch [`DEFAULT_PREFETCH`]), the path a user runs; the
+//! raw consumer, the targets' baseline, at [`PREFETCH`], and once more at the runner's
+//! prefetch for scale. Beside each rate: the CPU each message cost the bench process (the
+//! consumer) and the whole machine (RabbitMQ, Redis and the databases too), from `/proc`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,7 +20,7 @@ use integration_tests::RouteStack;
 use integration_tests::amqp::{connect, ready_messages, scratch_topology};
 use integration_tests::mysql::{self, StockDatabase};
 use integration_tests::postgres::{
-    RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool, stock_moves,
+    RecordMode, ScratchSchema, boxed, insert_stock_move, pool, schema_pool, stock_moves,
 };
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{redis_connection, unique};
@@ -30,7 +33,7 @@ use oncely::record::{
 };
 use oncely::tier::BoxFuture;
 use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route, Token, handler_fn};
-use oncely_amqp::{Runner, Topology};
+use oncely_amqp::{DEFAULT_PREFETCH, Runner, Topology};
 use tokio_util::sync::CancellationToken;
 use tower::Layer;
 use tower::ServiceBuilder;
@@ -40,7 +43,7 @@ use crate::report::{Plot, Report, Row, Section, Target};
 
 /// Messages per measurement, published before the clock starts.
 const MESSAGES: usize = 10_000;
-/// Prefetch, and so messages in flight, of every consumer measured.
+/// Prefetch, and so messages in flight, of the raw consumer the targets compare with.
 const PREFETCH: u16 = 64;
 /// Each consumer is measured this many times, in turn with the others; the median is kept.
 const ROUNDS: usize = 3;
@@ -48,8 +51,10 @@ const ROUNDS: usize = 3;
 /// The consumer a measurement drains its queue with.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Consumer {
-    /// The baseline: a plain lapin loop.
+    /// The baseline: a plain lapin loop at [`PREFETCH`].
     RawLapin,
+    /// The same loop at the runner's default prefetch: what more in flight alone buys.
+    RawLapinAtRunnerPrefetch,
     /// The runner with a handler and no tier.
     Runner,
     /// The runner with the Redis flag in front of the handler.
@@ -60,6 +65,12 @@ enum Consumer {
     /// The same with the record batched: what batching buys end to end, at the same
     /// prefetch.
     RecordBatched,
+    /// The record batched with a batch handler writing the rows of a batch at once, alone:
+    /// the guarantee at its cheapest.
+    RecordBatchHandler,
+    /// The same behind the Redis flag with the record behind it: what the flag costs when
+    /// nothing is a duplicate.
+    FlagRecordBatchHandler,
     /// The runner with the full stack, the record one transaction per delivery, the handler
     /// writing a row in the record's transaction.
     FullStack,
@@ -78,12 +89,15 @@ enum Consumer {
 
 impl Consumer {
     /// Every consumer, the baseline first: the order they take turns in.
-    const ALL: [Consumer; 11] = [
+    const ALL: [Consumer; 14] = [
         Consumer::RawLapin,
+        Consumer::RawLapinAtRunnerPrefetch,
         Consumer::Runner,
         Consumer::RunnerFlag,
         Consumer::Record,
         Consumer::RecordBatched,
+        Consumer::RecordBatchHandler,
+        Consumer::FlagRecordBatchHandler,
         Consumer::FullStack,
         Consumer::FullStackBatched,
         Consumer::FullStackBatchHandler,
@@ -95,10 +109,15 @@ impl Consumer {
     fn name(self) -> &'static str {
         match self {
             Consumer::RawLapin => "raw lapin consumer",
+            Consumer::RawLapinAtRunnerPrefetch => "raw lapin consumer at the runner's prefetch",
             Consumer::Runner => "runner, no tiers",
             Consumer::RunnerFlag => "runner, Redis flag",
             Consumer::Record => "runner, record per delivery (no Redis tiers)",
             Consumer::RecordBatched => "runner, batched record (no Redis tiers)",
+            Consumer::RecordBatchHandler => "runner, batched record + batch handler (no Redis tiers)",
+            Consumer::FlagRecordBatchHandler => {
+                "runner, Redis flag + batched record + batch handler (no lock)"
+            }
             Consumer::FullStack => "runner, full stack (flag + lock + record per delivery)",
             Consumer::FullStackBatched => "runner, full stack, batched record",
             Consumer::FullStackBatchHandler => "runner, full stack, batched record + batch handler",
@@ -110,13 +129,25 @@ impl Consumer {
         }
     }
 
-    /// Messages per second draining a fresh queue of [`MESSAGES`] through this consumer.
-    async fn measure(self, services: &Services) -> f64 {
+    /// The messages this consumer drains in prefetch: the raw loop's own, or the runner's.
+    fn prefetch(self) -> u16 {
+        match self {
+            Consumer::RawLapin => PREFETCH,
+            _ => DEFAULT_PREFETCH,
+        }
+    }
+
+    /// Draining a fresh queue of [`MESSAGES`] through this consumer: its rate, and what each
+    /// message cost in CPU.
+    async fn measure(self, services: &Services) -> Measured {
         let topology = scratch_topology("bench");
         fill(&services.channel, &topology).await;
         let handled = Arc::new(AtomicU64::new(0));
+        let cpu_before = CpuTime::now();
         let rate = match self {
-            Consumer::RawLapin => raw_consumer(&services.channel, topology.queue()).await,
+            Consumer::RawLapin | Consumer::RawLapinAtRunnerPrefetch => {
+                raw_consumer(&services.channel, topology.queue(), self.prefetch()).await
+            }
             Consumer::Runner => {
                 let route = Route::new("bench", key(), handler(handled.clone(), Effect::None));
                 runner_consumer(&services.channel, &topology, route, handled).await
@@ -140,6 +171,22 @@ impl Consumer {
                     handler(handled.clone(), Effect::StockMove),
                 );
                 let route = Route::new("bench", key(), stack);
+                runner_consumer(&services.channel, &topology, route, handled).await
+            }
+            Consumer::RecordBatchHandler | Consumer::FlagRecordBatchHandler => {
+                let records = services.records().batched();
+                let batch_handler = records.batch_handler(counted(handled.clone(), stock_moves));
+                let route = match self {
+                    Consumer::FlagRecordBatchHandler => {
+                        let flag = services.flag().await.with_record_behind();
+                        Route::new(
+                            "bench",
+                            key(),
+                            boxed(ServiceBuilder::new().layer(flag).service(batch_handler)),
+                        )
+                    }
+                    _ => Route::new("bench", key(), boxed(batch_handler)),
+                };
                 runner_consumer(&services.channel, &topology, route, handled).await
             }
             Consumer::FullStack => {
@@ -177,11 +224,16 @@ impl Consumer {
                 runner_consumer(&services.channel, &topology, route.await, handled).await
             }
         };
+        let cpu = CpuTime::now().since(&cpu_before);
         topology
             .delete(&services.channel)
             .await
             .expect("delete the bench queues");
-        rate
+        Measured {
+            per_second: rate,
+            consumer_micros: cpu.consumer_micros / MESSAGES as f64,
+            machine_micros: cpu.machine_micros / MESSAGES as f64,
+        }
     }
 }
 
@@ -257,24 +309,41 @@ impl Services {
     }
 }
 
+/// One consumer's drain of the queue.
+struct Measured {
+    per_second: f64,
+    /// CPU time of the bench process (the consumer) per message, in µs.
+    consumer_micros: f64,
+    /// Busy CPU time of the whole machine per message, in µs.
+    machine_micros: f64,
+}
+
 /// Every measured consumer against the raw one, each the median of [`ROUNDS`] taking turns;
-/// adds the table and the flag's target to `report`.
+/// adds the table, the CPU per message and the targets to `report`.
 pub(crate) async fn run(report: &mut Report) {
     let services = Services::start().await;
-    let mut rates = Consumer::ALL.map(|_| Vec::new());
+    let mut rounds = Consumer::ALL.map(|_| Vec::new());
     for _ in 0..ROUNDS {
-        for (consumer, rates) in Consumer::ALL.iter().zip(&mut rates) {
-            rates.push(consumer.measure(&services).await);
+        for (consumer, rounds) in Consumer::ALL.iter().zip(&mut rounds) {
+            rounds.push(consumer.measure(&services).await);
         }
     }
-    let [raw, measured @ ..] = rates.map(median);
+    let medians = rounds.map(|rounds| {
+        let of = |value: fn(&Measured) -> f64| median(rounds.iter().map(value).collect());
+        Measured {
+            per_second: of(|m| m.per_second),
+            consumer_micros: of(|m| m.consumer_micros),
+            machine_micros: of(|m| m.machine_micros),
+        }
+    });
+    let raw = medians[0].per_second;
     let rows: Vec<Row> = Consumer::ALL[1..]
         .iter()
-        .zip(measured)
-        .map(|(consumer, per_second)| Row {
+        .zip(&medians[1..])
+        .map(|(consumer, measured)| Row {
             what: consumer.name().into(),
-            in_flight: usize::from(PREFETCH),
-            per_second,
+            in_flight: usize::from(consumer.prefetch()),
+            per_second: measured.per_second,
             baseline: raw,
         })
         .collect();
@@ -304,11 +373,13 @@ pub(crate) async fn run(report: &mut Report) {
         at_least: 2.5,
     });
     report.add(Section {
-        title: format!("RabbitMQ end to end ({MESSAGES} messages, prefetch {PREFETCH})"),
+        title: format!(
+            "RabbitMQ end to end ({MESSAGES} messages; the raw consumer at prefetch {PREFETCH}, the runner at its default {DEFAULT_PREFETCH})"
+        ),
         baseline_name: Consumer::RawLapin.name(),
         unit: Some("messages"),
         rows,
-        note: None,
+        note: Some(cpu_table(&medians)),
         plot: Plot::Bars,
     });
 }
@@ -407,10 +478,11 @@ async fn fill(channel: &Channel, topology: &Topology) {
     }
 }
 
-/// Consumes a full queue with a plain lapin loop that acks every delivery from its own task.
-async fn raw_consumer(channel: &Channel, queue: &str) -> f64 {
+/// Consumes a full queue with a plain lapin loop at `prefetch` that acks every delivery from
+/// its own task.
+async fn raw_consumer(channel: &Channel, queue: &str, prefetch: u16) -> f64 {
     channel
-        .basic_qos(PREFETCH, Default::default())
+        .basic_qos(prefetch, Default::default())
         .await
         .expect("qos");
     let mut consumer = channel
@@ -437,8 +509,9 @@ async fn raw_consumer(channel: &Channel, queue: &str) -> f64 {
     rate
 }
 
-/// Consumes a full queue through a runner of `route`, counting settled deliveries with the
-/// handler's own counter.
+/// Consumes a full queue through a runner of `route` at its defaults, counting settled
+/// deliveries with the handler's own counter; the clock stops once the runner has shut down,
+/// every delivery settled, as the raw consumer's stops at its last ack.
 async fn runner_consumer<S>(
     channel: &Channel,
     topology: &Topology,
@@ -451,9 +524,7 @@ where
     S::Future: Send,
 {
     let shutdown = CancellationToken::new();
-    let runner = Runner::new(route, topology.clone())
-        .with_prefetch(PREFETCH)
-        .with_concurrency(PREFETCH.into());
+    let runner = Runner::new(route, topology.clone());
     let started = Instant::now();
     let running = {
         let (channel, shutdown) = (channel.clone(), shutdown.clone());
@@ -464,8 +535,73 @@ where
     {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let rate = MESSAGES as f64 / started.elapsed().as_secs_f64();
     shutdown.cancel();
     running.await.expect("the runner task").expect("the runner");
-    rate
+    MESSAGES as f64 / started.elapsed().as_secs_f64()
+}
+
+/// The CPU per message of each consumer, as the note under the table.
+fn cpu_table(medians: &[Measured]) -> String {
+    let mut table = String::from(
+        "CPU per message (medians, µs): the bench process is the consumer; the machine's busy \
+         time adds RabbitMQ, Redis and the databases.\n\n\
+         | consumer | bench process | whole machine |\n|---|---:|---:|\n",
+    );
+    for (consumer, measured) in Consumer::ALL.iter().zip(medians) {
+        table.push_str(&format!(
+            "| {} | {:.0} | {:.0} |\n",
+            consumer.name(),
+            measured.consumer_micros,
+            measured.machine_micros
+        ));
+    }
+    table
+}
+
+/// CPU time used so far, from `/proc` (Linux): this process's, and the machine's busy time.
+struct CpuTime {
+    consumer_micros: f64,
+    machine_micros: f64,
+}
+
+impl CpuTime {
+    fn now() -> Self {
+        // Both files count in clock ticks, 100 a second on Linux.
+        const MICROS_PER_TICK: f64 = 10_000.0;
+        let process = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+        // Past the command name in parentheses, fields 14 and 15 (utime, stime) are the
+        // 12th and 13th.
+        let after_name = process.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<&str> = after_name.split_whitespace().collect();
+        let ticks = |index: usize| {
+            fields
+                .get(index)
+                .and_then(|field| field.parse().ok())
+                .unwrap_or(0.0)
+        };
+        let consumer = ticks(11) + ticks(12);
+        // The first line sums every CPU: user nice system idle iowait irq softirq steal.
+        let machine = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let times: Vec<f64> = machine
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .filter_map(|field| field.parse().ok())
+            .collect();
+        let idle = times.get(3).unwrap_or(&0.0) + times.get(4).unwrap_or(&0.0);
+        CpuTime {
+            consumer_micros: consumer * MICROS_PER_TICK,
+            machine_micros: (times.iter().sum::<f64>() - idle) * MICROS_PER_TICK,
+        }
+    }
+
+    fn since(&self, earlier: &CpuTime) -> CpuTime {
+        CpuTime {
+            consumer_micros: self.consumer_micros - earlier.consumer_micros,
+            machine_micros: self.machine_micros - earlier.machine_micros,
+        }
+    }
 }
