@@ -42,7 +42,8 @@ pub const ORIGINAL_ROUTING_KEY_HEADER: &str = "x-oncely-original-routing-key";
 pub const DEFAULT_PREFETCH: u16 = 256;
 
 /// How many deliveries the runner handles at once, unless configured otherwise
-/// ([`Runner::with_concurrency`]): the whole prefetch, so that none waits unstarted.
+/// ([`Runner::with_concurrency`]): the whole default prefetch, so that none waits unstarted;
+/// raise it with the prefetch.
 pub const DEFAULT_CONCURRENCY: usize = DEFAULT_PREFETCH as usize;
 
 /// How many times a message may come back unsettled before it is dead-lettered, unless
@@ -170,11 +171,17 @@ where
     }
 
     /// How many unacked deliveries the broker sends ahead (`basic.qos`; default
-    /// [`DEFAULT_PREFETCH`]). RabbitMQ counts messages, not bytes: the runner may hold this
-    /// many bodies at once (up to the route's maximum body each), so lower it for large
-    /// bodies. Each unacked delivery also counts toward RabbitMQ's consumer timeout (30
-    /// minutes by default) from the moment it is sent, so a consumer that handles fewer than
-    /// prefetch ÷ 1,800 messages a second should lower it too.
+    /// [`DEFAULT_PREFETCH`]). What more in flight costs:
+    /// - memory: RabbitMQ counts messages, not bytes, so the runner may hold this many
+    ///   bodies at once, each up to RabbitMQ's `max_message_size` (the route's maximum body
+    ///   is checked once a body has arrived), and a running delivery holds its body twice
+    ///   (the AMQP delivery and its envelope): lower it for large bodies;
+    /// - RabbitMQ's consumer timeout (30 minutes by default) runs for each unacked delivery
+    ///   from the moment it is sent: a consumer that handles fewer than prefetch ÷ 1,800
+    ///   messages a second should lower it;
+    /// - after a crash, a lost channel or a shutdown grace that ran out, every delivery the
+    ///   runner held comes back redelivered and runs alone as a suspect, holding back new
+    ///   work while it runs: up to this many, one after another.
     pub fn with_prefetch(mut self, prefetch: u16) -> Self {
         self.prefetch = prefetch.max(1);
         self
@@ -234,7 +241,9 @@ where
     /// How long shutdown waits for in-flight deliveries before abandoning them unacked (the
     /// broker redelivers them, counted as returns). Deliveries the broker had sent ahead and
     /// that never started are handed back at once: a copy to the work queue, then an ack, so
-    /// a deploy does not count against them.
+    /// a deploy does not count against them. Keep it above the time the stack takes for
+    /// [`concurrency`](Runner::with_concurrency) deliveries: each one abandoned comes back
+    /// as a suspect that runs alone (see [`Runner`]).
     pub fn with_shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
         self

@@ -203,7 +203,7 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 ///   no `SET LOCAL`: change no session setting). A handler that opens savepoints itself uses
 ///   subtransactions: keep its savepoints times the batch size below 64.
 /// - The lanes take their connections from the tier's pool, and a delivery that runs alone
-///   takes another: size the pool for the lanes plus the deliveries in flight.
+///   takes another: size the pool for the lanes plus the deliveries running alone.
 ///
 /// Every guarantee of the per-delivery tier holds per delivery: the record and the
 /// handler's writes commit together, a delivery is answered only after its batch's commit,
@@ -237,7 +237,7 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// other delivery of its batch to run again alone (the isolation of [`BatchedLayer`]):
     /// at a 1 % failure rate about 15 % of 16-delivery batches fail and about 47 % of
     /// 64-delivery ones, so the first take about 0.21 transactions per delivery and the
-    /// second about 0.48. Hence 16 by default; raise it (with fewer lanes, see
+    /// second about 0.49. Hence 16 by default; raise it (with fewer lanes, see
     /// [`with_lanes`](BatchedLayer::with_lanes)) for a batch handler whose failures are rare.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch.max(1);
