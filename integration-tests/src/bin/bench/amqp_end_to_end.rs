@@ -129,7 +129,8 @@ impl Consumer {
         }
     }
 
-    /// The messages this consumer drains in prefetch: the raw loop's own, or the runner's.
+    /// How many deliveries this consumer lets the broker send ahead: the raw loop's
+    /// [`PREFETCH`], or the runner's default.
     fn prefetch(self) -> u16 {
         match self {
             Consumer::RawLapin => PREFETCH,

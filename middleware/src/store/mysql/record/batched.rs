@@ -26,7 +26,8 @@ pub type MysqlBatchHandlerService<H> = BatchHandlerService<H, MysqlTransactional
 
 impl MysqlTransactionalLayer {
     /// The batched mode of this tier (same pool, table and in-flight delay): see
-    /// [`BatchedLayer`], which gives its defaults (lanes, batch size, linger). Each lane holds a pooled connection.
+    /// [`BatchedLayer`], which gives its defaults (lanes, batch size, linger). Each lane
+    /// holds a pooled connection.
     pub fn batched(&self) -> MysqlBatchedLayer {
         BatchedLayer::new(self.clone())
     }
