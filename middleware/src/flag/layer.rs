@@ -11,11 +11,11 @@ use crate::tier::{FailurePolicy, TierService};
 /// at the very end of the window still finds it: 10 minutes → 11 minutes.
 #[derive(Clone, Debug)]
 pub struct FlagLayer<St> {
-    pub(super) store: St,
-    pub(super) lease: Duration,
-    pub(super) retention: Duration,
+    pub(crate) store: St,
+    pub(crate) lease: Duration,
+    pub(crate) retention: Duration,
     pub(super) in_flight_delay: Duration,
-    pub(super) failure_policy: FailurePolicy,
+    pub(crate) failure_policy: FailurePolicy,
     pub(super) record_behind: bool,
 }
 

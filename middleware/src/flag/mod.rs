@@ -35,5 +35,6 @@ pub use crate::store::memory::flag::MemoryFlagStore;
 #[cfg(feature = "redis")]
 pub use crate::store::redis::flag::{FlagState, FlagView, RedisFlagStore};
 pub use decision::FlagTicket;
+pub(crate) use decision::FlagUpdate;
 pub use layer::FlagLayer;
 pub use store::{Claim, FlagStore};

@@ -18,10 +18,88 @@ use crate::token::Token;
 /// stops and the lock expires with its lease.
 #[derive(Debug)]
 pub struct LockTicket {
-    entity: String,
-    token: Token,
-    lease: LockLease,
-    _watchdog: AbortOnDrop,
+    pub(crate) entity: String,
+    pub(crate) token: Token,
+    pub(crate) lease: LockLease,
+    watchdog: AbortOnDrop,
+}
+
+impl<St: LockStore> LockLayer<St> {
+    /// The entity `envelope` locks, or the dead letter when it has none.
+    pub(crate) fn entity_of(&self, envelope: &Envelope) -> Result<String, Outcome> {
+        match self.entity.extract(envelope.delivery()) {
+            Ok(entity) => Ok(entity.to_string()),
+            Err(error) => Err(Outcome::dead_letter(
+                DeadLetterReason::InvalidKey,
+                format!("lock entity: {error}"),
+            )),
+        }
+    }
+
+    /// The answer when another delivery holds `entity`'s lock.
+    pub(crate) fn busy(&self, entity: &str) -> Outcome {
+        Outcome::retry_later(
+            RetryReason::LockBusy,
+            format!("entity {entity} is locked by another delivery"),
+            Some(self.busy_delay),
+        )
+    }
+
+    /// The ticket of `entity`'s lock, acquired under `token` with `fencing_token`: hands the
+    /// lease to the tiers behind and starts its watchdog.
+    pub(crate) fn hold(
+        &self,
+        envelope: &mut Envelope,
+        entity: String,
+        token: Token,
+        fencing_token: u64,
+    ) -> LockTicket {
+        let lease = LockLease::new(fencing_token);
+        envelope.extensions_mut().insert(lease.clone());
+        let watchdog = AbortOnDrop(tokio::spawn(keep_alive(
+            self.store.clone(),
+            entity.clone(),
+            token,
+            self.lease,
+            self.renew_every,
+            lease.clone(),
+        )));
+        LockTicket {
+            entity,
+            token,
+            lease,
+            watchdog,
+        }
+    }
+}
+
+impl LockTicket {
+    /// Stops the watchdog before the lock is released, so that it neither renews nor reports
+    /// lost a lock being released.
+    pub(crate) fn stop_watchdog(&mut self) {
+        self.watchdog.0.abort();
+    }
+
+    /// The tiers' `outcome` once the release answered `released` (whether the lock was
+    /// still ours), `lost` telling whether the watchdog found the lease lost: a retry when
+    /// the lease was lost, whatever the tiers behind answered.
+    pub(crate) fn settle(self, lost: bool, released: Result<bool, &StoreError>, outcome: Outcome) -> Outcome {
+        let LockTicket { entity, lease, .. } = self;
+        if let Err(error) = released {
+            tracing::warn!(%entity, %error, "lock release failed; the lock expires with its lease");
+        }
+        // A release that finds another token means the lease ran out under us even if the
+        // watchdog had not noticed yet: someone else may have run meanwhile.
+        if lost || matches!(released, Ok(false)) {
+            lease.mark_lost();
+            return Outcome::retry_later(
+                RetryReason::LeaseLost,
+                format!("lock of entity {entity} was lost while the handler ran"),
+                None,
+            );
+        }
+        outcome
+    }
 }
 
 impl<St: LockStore> TierDecision for LockLayer<St> {
@@ -33,64 +111,22 @@ impl<St: LockStore> TierDecision for LockLayer<St> {
     }
 
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<LockTicket>, StoreError> {
-        let entity = match self.entity.extract(envelope.delivery()) {
-            Ok(entity) => entity.to_string(),
-            Err(error) => {
-                return Ok(Enter::Stop(Outcome::dead_letter(
-                    DeadLetterReason::InvalidKey,
-                    format!("lock entity: {error}"),
-                )));
-            }
+        let entity = match self.entity_of(envelope) {
+            Ok(entity) => entity,
+            Err(dead_letter) => return Ok(Enter::Stop(dead_letter)),
         };
         let token = Token::random();
-        let Some(fencing_token) = self.store.acquire(&entity, token, self.lease).await? else {
-            return Ok(Enter::Stop(Outcome::retry_later(
-                RetryReason::LockBusy,
-                format!("entity {entity} is locked by another delivery"),
-                Some(self.busy_delay),
-            )));
-        };
-        let lease = LockLease::new(fencing_token);
-        envelope.extensions_mut().insert(lease.clone());
-        let watchdog = AbortOnDrop(tokio::spawn(keep_alive(
-            self.store.clone(),
-            entity.clone(),
-            token,
-            self.lease,
-            self.renew_every,
-            lease.clone(),
-        )));
-        Ok(Enter::Proceed(LockTicket {
-            entity,
-            token,
-            lease,
-            _watchdog: watchdog,
-        }))
+        Ok(match self.store.acquire(&entity, token, self.lease).await? {
+            Some(fencing_token) => Enter::Proceed(self.hold(envelope, entity, token, fencing_token)),
+            None => Enter::Stop(self.busy(&entity)),
+        })
     }
 
-    async fn exit(&self, ticket: LockTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
-        let LockTicket {
-            entity,
-            token,
-            lease,
-            _watchdog,
-        } = ticket;
-        drop(_watchdog);
-        // A release that finds another token means the lease ran out under us even if the
-        // watchdog had not noticed yet: someone else may have run meanwhile.
-        let released = self.store.release(&entity, token).await;
-        if let Err(error) = &released {
-            tracing::warn!(%entity, %error, "lock release failed; the lock expires with its lease");
-        }
-        if lease.is_lost() || matches!(released, Ok(false)) {
-            lease.mark_lost();
-            return Ok(Outcome::retry_later(
-                RetryReason::LeaseLost,
-                format!("lock of entity {entity} was lost while the handler ran"),
-                None,
-            ));
-        }
-        Ok(outcome)
+    async fn exit(&self, mut ticket: LockTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
+        ticket.stop_watchdog();
+        let released = self.store.release(&ticket.entity, ticket.token).await;
+        let lost = ticket.lease.is_lost();
+        Ok(ticket.settle(lost, released.as_ref().copied(), outcome))
     }
 }
 

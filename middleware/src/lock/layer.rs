@@ -8,12 +8,12 @@ use crate::tier::{FailurePolicy, TierService};
 /// Adds the [lock tier](crate::lock) in front of a service.
 #[derive(Clone, Debug)]
 pub struct LockLayer<St> {
-    pub(super) store: St,
+    pub(crate) store: St,
     pub(super) entity: KeyExtractor,
-    pub(super) lease: Duration,
+    pub(crate) lease: Duration,
     pub(super) renew_every: Duration,
     pub(super) busy_delay: Duration,
-    pub(super) failure_policy: FailurePolicy,
+    pub(crate) failure_policy: FailurePolicy,
 }
 
 impl<St> LockLayer<St> {

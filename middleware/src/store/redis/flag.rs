@@ -4,26 +4,34 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, script, tagged_key};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::flag::{Claim, FlagStore};
 use crate::token::Token;
 
-const IN_FLIGHT: &str = "i:";
+/// The prefix of an in-flight marker; a done marker's is `d:`.
+pub(super) const IN_FLIGHT: &str = "i:";
 const DONE: &str = "d:";
 
-/// Turns the caller's in-flight marker into the done marker with a new expiry.
+/// Lua: `complete(key, in_flight, done, retention_ms)` turns the caller's in-flight marker
+/// into the done marker with a new expiry (1), or changes nothing when the marker is not the
+/// caller's (0).
+pub(super) const LUA_COMPLETE: &str = r"
+local function complete(key, in_flight, done, retention)
+    if redis.call('GET', key) == in_flight then
+        redis.call('SET', key, done, 'PX', retention)
+        return 1
+    end
+    return 0
+end
+";
+
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-        if redis.call('GET', KEYS[1]) == ARGV[1] then
-            redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-            return 1
-        end
-        return 0
-        ",
+    script(
+        &[LUA_COMPLETE],
+        "return complete(KEYS[1], ARGV[1], ARGV[2], ARGV[3])",
     )
 });
 
@@ -39,8 +47,8 @@ static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
 /// Markers vanish when Redis loses its data (restart without persistence, `FLUSHALL`,
 /// eviction under `maxmemory`): the flag then lets duplicates through to the tiers behind.
 pub struct RedisFlagStore<C> {
-    connection: C,
-    prefix: Arc<str>,
+    pub(super) connection: C,
+    pub(super) prefix: Arc<str>,
 }
 
 impl<C: RedisConnection> RedisFlagStore<C> {
@@ -134,7 +142,18 @@ impl<C> fmt::Debug for RedisFlagStore<C> {
     }
 }
 
-fn parse_marker(marker: &str) -> Result<Claim, StoreError> {
+/// The marker of a key in flight under `token`.
+pub(super) fn in_flight_marker(token: Token) -> String {
+    format!("{IN_FLIGHT}{token}")
+}
+
+/// The marker of a key done with the payload `fingerprint`.
+pub(super) fn done_marker(fingerprint: Fingerprint) -> String {
+    format!("{DONE}{fingerprint}")
+}
+
+/// What a marker says, as a claim that found it would answer.
+pub(super) fn parse_marker(marker: &str) -> Result<Claim, StoreError> {
     if marker.starts_with(IN_FLIGHT) {
         return Ok(Claim::InFlight);
     }
@@ -149,7 +168,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
     async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, StoreError> {
         let previous: Option<String> = redis::cmd("SET")
             .arg(self.redis_key(key))
-            .arg(format!("{IN_FLIGHT}{token}"))
+            .arg(in_flight_marker(token))
             .arg("NX")
             .arg("GET")
             .arg("PX")
@@ -168,8 +187,8 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
     ) -> Result<bool, StoreError> {
         COMPLETE
             .key(self.redis_key(key))
-            .arg(format!("{IN_FLIGHT}{token}"))
-            .arg(format!("{DONE}{fingerprint}"))
+            .arg(in_flight_marker(token))
+            .arg(done_marker(fingerprint))
             .arg(millis(retention))
             .invoke_async(&mut self.connection.clone())
             .await
@@ -184,7 +203,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
     ) -> Result<(), StoreError> {
         redis::cmd("SET")
             .arg(self.redis_key(key))
-            .arg(format!("{DONE}{fingerprint}"))
+            .arg(done_marker(fingerprint))
             .arg("PX")
             .arg(millis(retention))
             .query_async(&mut self.connection.clone())
@@ -195,7 +214,7 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
     async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, StoreError> {
         COMPARE_AND_DELETE
             .key(self.redis_key(key))
-            .arg(format!("{IN_FLIGHT}{token}"))
+            .arg(in_flight_marker(token))
             .invoke_async(&mut self.connection.clone())
             .await
             .map_err(StoreError::from)

@@ -4,27 +4,38 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, tagged_key};
+use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, script, tagged_key};
 use crate::error::StoreError;
 use crate::lock::LockStore;
 use crate::token::Token;
 
-/// Takes the lock if free and hands out the next fencing token, in one step.
+/// Lua: `acquire(lock, fence, token, lease_ms)` takes the lock if free and hands out the
+/// next fencing token, in one step; false when another holder has it.
 ///
-/// A missing counter starts from the server's clock in microseconds, not from 0: a counter
-/// lost with Redis (a flush, a restart without persistence) must not hand out tokens older
-/// than those a business store already saw, and one entity is never locked a million times
-/// a second. (Lua numbers are doubles, so the seed is built as a string.)
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-        if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+/// A missing counter (`INCR` answers 1) starts from the server's clock in microseconds, not
+/// from 0: a counter lost with Redis (a flush, a restart without persistence) must not hand
+/// out tokens older than those a business store already saw, and one entity is never locked
+/// a million times a second. (Lua numbers are doubles, so the seed is built as a string.)
+/// Seeding only then keeps the common acquire at two commands.
+pub(super) const LUA_ACQUIRE: &str = r"
+local function acquire(lock, fence, token, lease)
+    if redis.call('SET', lock, token, 'NX', 'PX', lease) then
+        local next = redis.call('INCR', fence)
+        if next == 1 then
             local now = redis.call('TIME')
-            redis.call('SET', KEYS[2], now[1] .. string.format('%06d', tonumber(now[2])), 'NX')
-            return redis.call('INCR', KEYS[2])
+            redis.call('SET', fence, now[1] .. string.format('%06d', tonumber(now[2])))
+            next = redis.call('INCR', fence)
         end
-        return false
-        ",
+        return next
+    end
+    return false
+end
+";
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        &[LUA_ACQUIRE],
+        "return acquire(KEYS[1], KEYS[2], ARGV[1], ARGV[2])",
     )
 });
 
@@ -79,7 +90,7 @@ impl<C: RedisConnection> RedisLockStore<C> {
         tagged_key(&self.prefix, "lock", entity)
     }
 
-    fn fence_key(&self, entity: &str) -> String {
+    pub(super) fn fence_key(&self, entity: &str) -> String {
         tagged_key(&self.prefix, "fence", entity)
     }
 

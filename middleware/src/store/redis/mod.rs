@@ -1,8 +1,9 @@
-//! The Redis store: the flag, lock and delivery-limit backends on it, and what they share —
-//! the connection bound, key names and scripts.
+//! The Redis store: the flag, lock and delivery-limit backends on it, the flag and lock
+//! run together, and what they share — the connection bound, key names and scripts.
 
 pub(crate) mod deliveries;
 pub(crate) mod flag;
+pub(crate) mod flag_lock;
 pub(crate) mod lock;
 
 use std::sync::LazyLock;
@@ -45,18 +46,32 @@ pub(crate) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
-/// Deletes `KEYS[1]` only if it still holds `ARGV[1]`: a holder can never delete what a
-/// later holder wrote after its own lease ran out.
+/// Lua: `compare_and_delete(key, value)` deletes `key` only if it still holds `value` (1
+/// if it did, else 0): a holder can never delete what a later holder wrote after its own
+/// lease ran out. Shared by the flag's release, the lock's release and their joint script.
+pub(crate) const LUA_COMPARE_AND_DELETE: &str = r"
+local function compare_and_delete(key, value)
+    if redis.call('GET', key) == value then
+        return redis.call('DEL', key)
+    end
+    return 0
+end
+";
+
+/// [`LUA_COMPARE_AND_DELETE`] on `KEYS[1]` and `ARGV[1]`.
 pub(crate) static COMPARE_AND_DELETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-        if redis.call('GET', KEYS[1]) == ARGV[1] then
-            return redis.call('DEL', KEYS[1])
-        end
-        return 0
-        ",
+    script(
+        &[LUA_COMPARE_AND_DELETE],
+        "return compare_and_delete(KEYS[1], ARGV[1])",
     )
 });
+
+/// A script of the Lua `functions` (snippets defining local functions) and `body` calling
+/// them: each decision is written once in Lua, whether one store's script or a joint one
+/// runs it.
+pub(crate) fn script(functions: &[&str], body: &str) -> Script {
+    Script::new(&format!("{}\n{body}", functions.concat()))
+}
 
 #[cfg(test)]
 mod tests {
