@@ -15,6 +15,8 @@ pub mod recorder;
 pub mod redis_server;
 pub mod rocketmq;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -41,6 +43,23 @@ pub async fn redis_connection(url: &str) -> ConnectionManager {
 }
 
 pub use oncely::testing::unique;
+
+/// A handler that succeeds at once and counts its runs, with the count: for a test that
+/// only asks how often the stack let a delivery through.
+pub fn counting_handler() -> (
+    Arc<AtomicUsize>,
+    impl RouteStack<std::convert::Infallible> + 'static,
+) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = oncely::handler_fn({
+        let runs = runs.clone();
+        move |_: oncely::Envelope| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), oncely::HandlerError>(()) }
+        }
+    });
+    (runs, handler)
+}
 
 /// What the tests' route functions return: a cloneable stack of envelopes to outcomes whose
 /// errors are `E`. One name for the bound they would otherwise each spell out.

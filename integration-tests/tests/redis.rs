@@ -1,19 +1,22 @@
-//! The Redis backends against a real Redis: the store suites, the tiers' promises, and a
-//! Redis restart in the middle of a run.
+//! The Redis backends against a real Redis: the store suites, the tiers' promises, the
+//! joint flag and lock deciding as the two layers do, and a Redis restart in the middle of
+//! a run.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use integration_tests::postgres::boxed;
 use integration_tests::redis_server::ScratchRedis;
-use integration_tests::{redis_connection, redis_url, unique};
-use oncely::flag::{Claim, FlagLayer, FlagStore, RedisFlagStore};
-use oncely::lock::{LockLayer, LockLease, LockStore, RedisLockStore};
+use integration_tests::{counting_handler, redis_connection, redis_url, unique};
+use oncely::flag::{Claim, FlagLayer, FlagState, FlagStore, RedisFlagStore};
+use oncely::flag_lock::FlagLockLayer;
+use oncely::lock::{LockLayer, LockLease, LockStore, LockView, RedisLockStore};
 use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::{
-    BrokerAction, BusinessKey, Delivery, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route,
-    Tier, Token, handler_fn,
+    BrokerAction, BusinessKey, DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome,
+    RetryReason, Route, Tier, Token, handler_fn,
 };
 use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
@@ -221,14 +224,7 @@ async fn redis_down_the_flag_fails_open_and_the_lock_fails_closed() {
     let connection = redis_connection(&server.url()).await;
     server.kill();
     let records = MemoryRecordStore::new();
-    let effects = Arc::new(AtomicUsize::new(0));
-    let handler = handler_fn({
-        let effects = effects.clone();
-        move |_: Envelope| {
-            effects.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<(), HandlerError>(()) }
-        }
-    });
+    let (effects, handler) = counting_handler();
 
     let flag_then_record = ServiceBuilder::new()
         .layer(FlagLayer::new(
@@ -429,4 +425,337 @@ async fn the_redis_delivery_counter_dead_letters_a_key_that_kills_every_consumer
         "{outcome}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 4);
+}
+
+/// How a differential test composes the flag and the lock.
+#[derive(Clone, Copy, Debug)]
+enum Composition {
+    /// `FlagLayer` in front of `LockLayer`: four round trips.
+    TwoLayers,
+    /// `FlagLockLayer`: the same decisions in two.
+    Joint,
+}
+
+/// One step of a differential scenario.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// Deliver `{"orderId": order, "sku": sku, "do": what}` (no `sku` when it is empty);
+    /// the handler succeeds (`ok`), fails (`fail`) or deletes its lock first (`lose_lock`).
+    Deliver(&'static str, &'static str, &'static str),
+    /// Another delivery claims the order's flag (and never settles it).
+    HoldFlag(&'static str),
+    /// Another delivery holds the entity's lock.
+    HoldLock(&'static str),
+    /// That other delivery's lock expires.
+    FreeLock(&'static str),
+}
+
+/// What one delivery left: its outcome, the order's flag marker and the seconds it has
+/// left (rounded up), whether the entity is locked and for how long, whether its fencing
+/// counter moved, and what the handler saw (if it ran).
+#[derive(Debug, PartialEq)]
+struct Observed {
+    outcome: Outcome,
+    flag: FlagState,
+    flag_ttl: Option<u64>,
+    locked: bool,
+    lock_ttl: Option<u64>,
+    fenced: bool,
+    /// The flag marker, its seconds left and the lock's, as the handler saw them.
+    while_running: Option<(FlagState, Option<u64>, Option<u64>)>,
+}
+
+fn seconds_left(ttl: Option<Duration>) -> Option<u64> {
+    ttl.map(|ttl| ttl.as_secs_f64().ceil() as u64)
+}
+
+/// Runs `steps` through the flag (with the record behind it when `record_behind`) and the
+/// lock on `sku`, composed as `composition`, on keys of their own.
+async fn observe(composition: Composition, record_behind: bool, steps: &[Step]) -> Vec<Observed> {
+    let connection = redis_connection(&redis_url()).await;
+    let prefix = unique("oncely-joint");
+    let flags = RedisFlagStore::new(connection.clone()).with_prefix(prefix.clone());
+    let locks = RedisLockStore::new(connection.clone()).with_prefix(prefix);
+    let while_running = Arc::new(Mutex::new(None));
+    let handler = handler_fn({
+        let (flags, locks, connection) = (flags.clone(), locks.clone(), connection.clone());
+        let while_running = while_running.clone();
+        move |envelope: Envelope| {
+            let (flags, locks, mut connection) = (flags.clone(), locks.clone(), connection.clone());
+            let while_running = while_running.clone();
+            async move {
+                let body: serde_json::Value = serde_json::from_slice(envelope.delivery().body()).unwrap();
+                let entity = body["sku"].as_str().unwrap_or_default();
+                let (flag, lock) = (
+                    flags.inspect(envelope.key()).await.unwrap(),
+                    locks.inspect(entity).await.unwrap(),
+                );
+                *while_running.lock().unwrap() =
+                    Some((flag.state, seconds_left(flag.ttl), seconds_left(lock.ttl)));
+                match body["do"].as_str() {
+                    Some("fail") => return Err(HandlerError::transient("the downstream is down")),
+                    Some("lose_lock") => {
+                        let lock = locks.redis_key(entity);
+                        let _: i64 = redis::cmd("DEL")
+                            .arg(lock)
+                            .query_async(&mut connection)
+                            .await
+                            .unwrap();
+                    }
+                    _ => {}
+                }
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    // Leases and retention all different, so that a script setting one for another shows.
+    let flag = FlagLayer::new(flags.clone(), Duration::from_secs(600)).with_lease(Duration::from_secs(30));
+    let flag = if record_behind {
+        flag.with_record_behind()
+    } else {
+        flag
+    };
+    let lock = LockLayer::new(locks.clone(), sku()).with_lease(Duration::from_secs(7));
+    let stack = match composition {
+        Composition::TwoLayers => boxed(ServiceBuilder::new().layer(flag).layer(lock).service(handler)),
+        Composition::Joint => boxed(
+            ServiceBuilder::new()
+                .layer(FlagLockLayer::new(flag, lock))
+                .service(handler),
+        ),
+    };
+    let route = Route::new("orders", order_key(), stack);
+    let mut observed = Vec::new();
+    for step in steps {
+        match *step {
+            Step::Deliver(order, sku, what) => {
+                let fence = |view: LockView| view.fencing_counter;
+                let before = fence(locks.inspect(sku).await.unwrap());
+                let body = match sku {
+                    "" => format!(r#"{{"orderId":"{order}","do":"{what}"}}"#),
+                    _ => format!(r#"{{"orderId":"{order}","sku":"{sku}","do":"{what}"}}"#),
+                };
+                let outcome = route
+                    .handle(Delivery::new(oncely::Source::new("orders"), body))
+                    .await;
+                let (lock, flag) = (
+                    locks.inspect(sku).await.unwrap(),
+                    flags.inspect(&BusinessKey::new(order)).await.unwrap(),
+                );
+                observed.push(Observed {
+                    outcome,
+                    flag: flag.state,
+                    flag_ttl: seconds_left(flag.ttl),
+                    locked: lock.holder.is_some(),
+                    lock_ttl: seconds_left(lock.ttl),
+                    fenced: fence(lock) != before,
+                    while_running: while_running.lock().unwrap().take(),
+                });
+            }
+            Step::HoldFlag(order) => {
+                let key = BusinessKey::new(order);
+                let claim = flags.claim(&key, Token::random(), Duration::from_secs(30)).await;
+                assert_eq!(claim.unwrap(), Claim::Won);
+            }
+            Step::HoldLock(sku) => {
+                let acquired = locks.acquire(sku, Token::random(), Duration::from_secs(30)).await;
+                assert!(acquired.unwrap().is_some());
+            }
+            Step::FreeLock(sku) => {
+                let _: i64 = redis::cmd("DEL")
+                    .arg(locks.redis_key(sku))
+                    .query_async(&mut connection.clone())
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    observed
+}
+
+/// `steps` through both compositions: the joint tier must leave every outcome and every
+/// key as the two layers do. Returns the two layers' observations, for the expectations.
+async fn same_in_both(record_behind: bool, steps: &[Step]) -> Vec<Observed> {
+    let two_layers = observe(Composition::TwoLayers, record_behind, steps).await;
+    let joint = observe(Composition::Joint, record_behind, steps).await;
+    assert_eq!(
+        joint, two_layers,
+        "record behind: {record_behind}, steps: {steps:?}"
+    );
+    two_layers
+}
+
+fn is_done(flag: &FlagState) -> bool {
+    matches!(flag, FlagState::Done { .. })
+}
+
+#[tokio::test]
+async fn the_joint_flag_and_lock_decide_as_the_two_layers_on_the_happy_path_and_duplicates() {
+    for record_behind in [false, true] {
+        let seen = same_in_both(
+            record_behind,
+            &[
+                Step::Deliver("o-1", "sku-1", "ok"),
+                Step::Deliver("o-1", "sku-1", "ok"),
+                Step::Deliver("o-1", "sku-1", "ok-but-another-payload"),
+            ],
+        )
+        .await;
+        assert_eq!(seen[0].outcome, Outcome::Processed);
+        assert!(is_done(&seen[0].flag) && !seen[0].locked && seen[0].fenced);
+        assert_eq!(
+            seen[0].flag_ttl,
+            Some(660),
+            "the done marker's retention: the window + 1 min"
+        );
+        let leases = Some((FlagState::InFlight, Some(30), Some(7)));
+        assert_eq!(
+            seen[0].while_running, leases,
+            "the claim's and the lock's leases, as configured"
+        );
+        assert_eq!(seen[1].outcome, Outcome::Duplicate { tier: Tier::Flag });
+        assert!(
+            !seen[1].fenced,
+            "a duplicate the flag answers never takes the lock"
+        );
+        assert_eq!(
+            seen[2].outcome.dead_letter_reason(),
+            Some(DeadLetterReason::PayloadMismatch)
+        );
+        assert!(!seen[2].fenced);
+    }
+}
+
+#[tokio::test]
+async fn the_joint_flag_and_lock_decide_as_the_two_layers_when_a_key_is_in_flight_elsewhere() {
+    let alone = same_in_both(
+        false,
+        &[Step::HoldFlag("o-2"), Step::Deliver("o-2", "sku-1", "ok")],
+    )
+    .await;
+    assert_eq!(
+        alone[0].outcome.retry_reason(),
+        Some(RetryReason::InFlight(Tier::Flag))
+    );
+    assert_eq!((alone[0].flag, alone[0].fenced), (FlagState::InFlight, false));
+
+    let behind_a_record = same_in_both(
+        true,
+        &[Step::HoldFlag("o-2"), Step::Deliver("o-2", "sku-1", "ok")],
+    )
+    .await;
+    assert_eq!(behind_a_record[0].outcome, Outcome::Processed);
+    assert!(is_done(&behind_a_record[0].flag) && behind_a_record[0].fenced);
+}
+
+#[tokio::test]
+async fn the_joint_flag_and_lock_decide_as_the_two_layers_when_the_entity_is_busy() {
+    for record_behind in [false, true] {
+        let seen = same_in_both(
+            record_behind,
+            &[
+                Step::HoldLock("sku-2"),
+                Step::Deliver("o-3", "sku-2", "ok"),
+                Step::HoldFlag("o-9"),
+                Step::Deliver("o-9", "sku-2", "ok"),
+                Step::FreeLock("sku-2"),
+                Step::Deliver("o-3", "sku-2", "ok"),
+            ],
+        )
+        .await;
+        assert_eq!(seen[0].outcome.retry_reason(), Some(RetryReason::LockBusy));
+        assert_eq!(
+            seen[0].flag,
+            FlagState::Absent,
+            "no claim is left behind a busy lock"
+        );
+        assert!(seen[0].locked && !seen[0].fenced);
+        // Another delivery's claim: it stops the delivery, or goes on to the busy lock.
+        let stopped_or_busy = if record_behind {
+            RetryReason::LockBusy
+        } else {
+            RetryReason::InFlight(Tier::Flag)
+        };
+        assert_eq!(seen[1].outcome.retry_reason(), Some(stopped_or_busy));
+        assert_eq!((seen[1].flag, seen[1].flag_ttl), (FlagState::InFlight, Some(30)));
+        assert_eq!(seen[2].outcome, Outcome::Processed);
+    }
+}
+
+#[tokio::test]
+async fn the_joint_flag_and_lock_decide_as_the_two_layers_when_the_handler_fails_or_the_lock_is_lost() {
+    for record_behind in [false, true] {
+        let seen = same_in_both(
+            record_behind,
+            &[
+                Step::Deliver("o-4", "sku-3", "fail"),
+                Step::Deliver("o-5", "sku-3", "lose_lock"),
+                Step::HoldFlag("o-6"),
+                Step::Deliver("o-6", "sku-3", "lose_lock"),
+                Step::Deliver("o-4", "sku-3", "ok"),
+            ],
+        )
+        .await;
+        assert_eq!(seen[0].outcome.retry_reason(), Some(RetryReason::HandlerFailed));
+        assert_eq!((seen[0].flag, seen[0].locked), (FlagState::Absent, false));
+        assert_eq!(seen[1].outcome.retry_reason(), Some(RetryReason::LeaseLost));
+        assert_eq!(seen[1].flag, FlagState::Absent, "a lost lease releases the claim");
+        // Another delivery's claim stays as it was: stopped in flight, or left alone by a
+        // copy that went on to the record without it.
+        assert_eq!(seen[2].flag, FlagState::InFlight);
+        let lost_or_stopped = if record_behind {
+            RetryReason::LeaseLost
+        } else {
+            RetryReason::InFlight(Tier::Flag)
+        };
+        assert_eq!(seen[2].outcome.retry_reason(), Some(lost_or_stopped));
+        assert_eq!(seen[3].outcome, Outcome::Processed);
+    }
+}
+
+#[tokio::test]
+async fn the_joint_flag_and_lock_decide_as_the_two_layers_for_a_delivery_without_an_entity() {
+    for record_behind in [false, true] {
+        let seen = same_in_both(
+            record_behind,
+            &[
+                Step::Deliver("o-7", "", "ok"),
+                Step::Deliver("o-8", "sku-4", "ok"),
+                Step::Deliver("o-8", "", "ok"),
+            ],
+        )
+        .await;
+        assert_eq!(
+            seen[0].outcome.dead_letter_reason(),
+            Some(DeadLetterReason::InvalidKey)
+        );
+        assert_eq!(seen[0].flag, FlagState::Absent);
+        assert_eq!(seen[1].outcome, Outcome::Processed);
+        // The flag answers before the lock looks for the entity.
+        assert_eq!(
+            seen[2].outcome.dead_letter_reason(),
+            Some(DeadLetterReason::PayloadMismatch)
+        );
+    }
+}
+
+#[tokio::test]
+async fn redis_down_the_joint_flag_and_lock_fails_closed_and_names_itself() {
+    let mut server = ScratchRedis::start();
+    let connection = redis_connection(&server.url()).await;
+    server.kill();
+    let (ran, handler) = counting_handler();
+    let flag = FlagLayer::new(RedisFlagStore::new(connection.clone()), Duration::from_secs(600));
+    let lock = LockLayer::new(RedisLockStore::new(connection), sku());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLockLayer::new(flag, lock))
+        .service(handler);
+    let outcome = Route::new("orders", order_key(), stack)
+        .handle(order("o-1", "sku-1"))
+        .await;
+    assert_eq!(
+        outcome.retry_reason(),
+        Some(RetryReason::StoreUnavailable(Tier::FlagLock))
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
 }

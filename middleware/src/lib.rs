@@ -117,6 +117,8 @@ mod envelope;
 mod error;
 mod fingerprint;
 pub mod flag;
+#[cfg(feature = "redis")]
+pub mod flag_lock;
 pub mod handler;
 mod key;
 pub mod lock;

@@ -29,9 +29,11 @@ use std::fmt;
 
 pub use decision::{Enter, FailurePolicy, TierDecision};
 pub(crate) use decision::{in_flight, payload_mismatch};
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+pub(crate) use service::decide;
 pub use service::{BoxFuture, TierRun, TierService};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) use service::{behind, decide, store_unavailable};
+pub(crate) use service::{behind, store_unavailable};
 
 /// A tier of the stack, named in outcomes, errors, metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -45,6 +47,9 @@ pub enum Tier {
     Flag,
     /// The per-entity lease lock ([`crate::lock`]).
     Lock,
+    /// The flag and the lock run as one tier on one Redis (`crate::flag_lock`, feature
+    /// `redis`).
+    FlagLock,
     /// The durable consumption record ([`crate::record`]).
     Record,
     /// The user's handler.
@@ -61,6 +66,7 @@ impl Tier {
             Tier::PreFilter => "prefilter",
             Tier::Flag => "flag",
             Tier::Lock => "lock",
+            Tier::FlagLock => "flag_lock",
             Tier::Record => "record",
             Tier::Handler => "handler",
             Tier::Custom(name) => name,

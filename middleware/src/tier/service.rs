@@ -69,6 +69,14 @@ impl<S, D> TierService<S, D> {
     }
 }
 
+impl<S, D> TierService<S, D> {
+    /// Runs the shared `decision` in front of `inner`, without copying its configuration.
+    #[cfg(feature = "redis")]
+    pub(crate) fn shared(inner: S, decision: Arc<D>) -> Self {
+        TierService { inner, decision }
+    }
+}
+
 impl<S: Clone, D> Clone for TierService<S, D> {
     fn clone(&self) -> Self {
         TierService {

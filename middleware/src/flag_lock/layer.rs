@@ -1,0 +1,97 @@
+use std::sync::Arc;
+
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::decision::Joint;
+use crate::envelope::Envelope;
+use crate::error::BoxError;
+use crate::flag::{FlagLayer, RedisFlagStore};
+use crate::lock::{LockLayer, RedisLockStore};
+use crate::outcome::Outcome;
+use crate::store::redis::RedisConnection;
+use crate::store::redis::flag_lock::RedisFlagLock;
+use crate::telemetry::Probe;
+use crate::tier::{Tier, TierRun, TierService, decide};
+
+/// Adds the [flag](crate::flag) and the [lock](crate::lock) in front of a service as one
+/// tier on one Redis, two round trips per delivery instead of four (see the
+/// [module docs](crate::flag_lock)): the same as
+/// `ServiceBuilder::new().layer(flag).layer(lock)`, faster.
+///
+/// ```no_run
+/// # async fn f(redis: redis::aio::ConnectionManager) {
+/// use std::time::Duration;
+/// use oncely::KeyExtractor;
+/// use oncely::flag::{FlagLayer, RedisFlagStore};
+/// use oncely::flag_lock::FlagLockLayer;
+/// use oncely::lock::{LockLayer, RedisLockStore};
+///
+/// let flag = FlagLayer::new(RedisFlagStore::new(redis.clone()), Duration::from_secs(600))
+///     .with_record_behind();
+/// let lock = LockLayer::new(RedisLockStore::new(redis), KeyExtractor::json_pointer("/sku"));
+/// let flag_then_lock = FlagLockLayer::new(flag, lock);
+/// # }
+/// ```
+pub struct FlagLockLayer<C> {
+    joint: Arc<Joint<C>>,
+}
+
+impl<C: RedisConnection> FlagLockLayer<C> {
+    /// The flag tier `flag` with the lock tier `lock` behind it, run together. Both stores
+    /// must be on one Redis (or one Redis Cluster): the joint scripts run on the flag
+    /// store's connection.
+    pub fn new(flag: FlagLayer<RedisFlagStore<C>>, lock: LockLayer<RedisLockStore<C>>) -> Self {
+        let store = RedisFlagLock::new(flag.store.clone(), lock.store.clone());
+        FlagLockLayer {
+            joint: Arc::new(Joint {
+                flag,
+                lock: Arc::new(lock),
+                store,
+            }),
+        }
+    }
+}
+
+impl<C> Clone for FlagLockLayer<C> {
+    fn clone(&self) -> Self {
+        FlagLockLayer {
+            joint: self.joint.clone(),
+        }
+    }
+}
+
+impl<C> std::fmt::Debug for FlagLockLayer<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlagLockLayer")
+            .field("flag", &self.joint.flag)
+            .field("lock", &self.joint.lock)
+            .finish()
+    }
+}
+
+impl<S, C> Layer<S> for FlagLockLayer<C> {
+    type Service = TierService<S, Self>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TierService::new(inner, self.clone())
+    }
+}
+
+impl<C: RedisConnection> TierRun for FlagLockLayer<C> {
+    const TIER: Tier = Tier::FlagLock;
+
+    async fn run<S>(&self, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
+    where
+        S: Service<Envelope, Response = Outcome> + Clone + Send + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        // Redis down: the joint script meets the same error, under the joint policy.
+        if let Ok(false) = self.joint.store.fuses().await {
+            let locked = TierService::shared(inner, self.joint.lock.clone());
+            return decide(&self.joint.flag, locked, envelope, probe).await;
+        }
+        decide(&*self.joint, inner, envelope, probe).await
+    }
+}
