@@ -32,6 +32,7 @@ use std::time::Duration;
 use deadpool_postgres::{Client, Pool};
 use oncely::deliveries::RedisDeliveryCounter;
 use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::flag_lock::FlagLockLayer;
 use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::mysql::sqlx::{self, MySqlPool};
 use oncely::record::{MysqlTransaction, PgTransaction};
@@ -42,7 +43,7 @@ use tower::layer::util::{Identity, Stack};
 use tower::timeout::TimeoutLayer;
 
 use crate::mysql::lazy_pool_on;
-use crate::postgres::{BoxedStack, RecordMode, schema_pool};
+use crate::postgres::{BoxedStack, RecordMode, boxed, schema_pool};
 
 /// The environment variable that turns `amqp_consumer` to the chaos stack, and sets the
 /// handler faults of `rocketmq_consumer` (which runs only the chaos stack): the share of
@@ -494,6 +495,10 @@ impl fmt::Display for ChaosStack {
 /// Redis lock on the body's `/sku` and the transactional record in `database` (`mode`: per
 /// delivery or batched), to the chaos handler writing in the record's transaction. Keyed by
 /// the body's `/orderId`; Redis keys start with `prefix`.
+///
+/// Per delivery, the flag and the lock are two layers; batched, the fast path's
+/// [`FlagLockLayer`], the same two tiers in two round trips: the run holds either to the
+/// same promise.
 pub fn chaos_orders_route(
     database: ChaosDatabase,
     redis: ConnectionManager,
@@ -501,16 +506,19 @@ pub fn chaos_orders_route(
     faults: HandlerFaults,
     mode: RecordMode,
 ) -> Route<impl crate::RouteStack<BoxError> + use<>> {
-    let stack = timeout_and_flag(redis.clone(), prefix, false)
-        .layer(
-            LockLayer::new(
-                RedisLockStore::new(redis).with_prefix(prefix),
-                KeyExtractor::json_pointer("/sku"),
-            )
-            .with_lease(LEASE)
-            .with_busy_delay(Duration::from_millis(100)),
-        )
-        .service(database.record_stack(mode, handler_service(Effects::InRecordTransaction, faults)));
+    let flag = chaos_flag(redis.clone(), prefix, false);
+    let lock = LockLayer::new(
+        RedisLockStore::new(redis).with_prefix(prefix),
+        KeyExtractor::json_pointer("/sku"),
+    )
+    .with_lease(LEASE)
+    .with_busy_delay(Duration::from_millis(100));
+    let records = database.record_stack(mode, handler_service(Effects::InRecordTransaction, faults));
+    let timeout = ServiceBuilder::new().layer(TimeoutLayer::new(HANDLER_TIMEOUT));
+    let stack = match mode {
+        RecordMode::PerDelivery => boxed(timeout.layer(flag).layer(lock).service(records)),
+        RecordMode::Batched => boxed(timeout.layer(FlagLockLayer::new(flag, lock)).service(records)),
+    };
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }
 
@@ -594,26 +602,30 @@ fn handler_service(
 /// The Redis flag of every chaos stack.
 type ChaosFlag = FlagLayer<RedisFlagStore<ConnectionManager>>;
 
-/// The front of every chaos stack: the `tower::timeout` outermost, so that a timeout drops
-/// the whole stack's future (mid-transaction, where the stack has a record), then the Redis
-/// flag on `redis`, its keys starting with `prefix`.
+/// The front of the chaos stacks without a lock: the `tower::timeout` outermost, so that a
+/// timeout drops the whole stack's future (mid-transaction, where the stack has a record),
+/// then the Redis flag.
 fn timeout_and_flag(
     redis: ConnectionManager,
     prefix: &str,
     record_behind: bool,
 ) -> ServiceBuilder<Stack<ChaosFlag, Stack<TimeoutLayer, Identity>>> {
+    ServiceBuilder::new()
+        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
+        .layer(chaos_flag(redis, prefix, record_behind))
+}
+
+/// The Redis flag of every chaos stack on `redis`, its keys starting with `prefix`.
+fn chaos_flag(redis: ConnectionManager, prefix: &str, record_behind: bool) -> ChaosFlag {
     let flag = FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix(prefix),
         Duration::from_secs(600),
     )
     .with_lease(LEASE)
     .with_in_flight_delay(Duration::from_millis(100));
-    let flag = if record_behind {
+    if record_behind {
         flag.with_record_behind()
     } else {
         flag
-    };
-    ServiceBuilder::new()
-        .layer(TimeoutLayer::new(HANDLER_TIMEOUT))
-        .layer(flag)
+    }
 }

@@ -16,16 +16,16 @@ use std::time::{Duration, Instant};
 
 use deadpool_postgres::Pool;
 use futures_lite::StreamExt;
-use integration_tests::RouteStack;
 use integration_tests::amqp::{connect, ready_messages, scratch_topology};
 use integration_tests::mysql::{self, StockDatabase};
 use integration_tests::postgres::{
-    RecordMode, ScratchSchema, boxed, insert_stock_move, pool, schema_pool, stock_moves,
+    BoxedStack, RecordMode, ScratchSchema, boxed, insert_stock_move, pool, schema_pool, stock_moves,
 };
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{redis_connection, unique};
 use lapin::Channel;
 use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::flag_lock::FlagLockLayer;
 use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::mysql::sqlx::MySqlPool;
 use oncely::record::{
@@ -71,14 +71,17 @@ enum Consumer {
     /// The same behind the Redis flag with the record behind it: what the flag costs when
     /// nothing is a duplicate.
     FlagRecordBatchHandler,
-    /// The runner with the full stack, the record one transaction per delivery, the handler
-    /// writing a row in the record's transaction.
+    /// The runner with the full stack (the flag and the lock as one tier, `FlagLockLayer`),
+    /// the record one transaction per delivery, the handler writing a row in the record's
+    /// transaction.
     FullStack,
     /// The same with the record batched.
     FullStackBatched,
     /// The same with the record batched and a batch handler writing the rows of a batch at
     /// once.
     FullStackBatchHandler,
+    /// The same with the flag and the lock as two layers: what the joint tier saves.
+    FullStackBatchHandlerTwoLayers,
     /// The full stack with the record on MySQL/MariaDB, one transaction per delivery.
     MysqlFullStack,
     /// The same with the record batched.
@@ -89,7 +92,7 @@ enum Consumer {
 
 impl Consumer {
     /// Every consumer, the baseline first: the order they take turns in.
-    const ALL: [Consumer; 14] = [
+    const ALL: [Consumer; 15] = [
         Consumer::RawLapin,
         Consumer::RawLapinAtRunnerPrefetch,
         Consumer::Runner,
@@ -101,6 +104,7 @@ impl Consumer {
         Consumer::FullStack,
         Consumer::FullStackBatched,
         Consumer::FullStackBatchHandler,
+        Consumer::FullStackBatchHandlerTwoLayers,
         Consumer::MysqlFullStack,
         Consumer::MysqlFullStackBatched,
         Consumer::MysqlFullStackBatchHandler,
@@ -121,6 +125,9 @@ impl Consumer {
             Consumer::FullStack => "runner, full stack (flag + lock + record per delivery)",
             Consumer::FullStackBatched => "runner, full stack, batched record",
             Consumer::FullStackBatchHandler => "runner, full stack, batched record + batch handler",
+            Consumer::FullStackBatchHandlerTwoLayers => {
+                "runner, full stack, batched record + batch handler, flag and lock as two layers"
+            }
             Consumer::MysqlFullStack => "runner, full stack, MariaDB record per delivery",
             Consumer::MysqlFullStackBatched => "runner, full stack, MariaDB batched record",
             Consumer::MysqlFullStackBatchHandler => {
@@ -200,11 +207,18 @@ impl Consumer {
                 let route = services.full_stack(records.layer(handler(handled.clone(), Effect::StockMove)));
                 runner_consumer(&services.channel, &topology, route.await, handled).await
             }
-            Consumer::FullStackBatchHandler => {
+            Consumer::FullStackBatchHandler | Consumer::FullStackBatchHandlerTwoLayers => {
                 let records = services.records().batched();
                 let batch_handler = counted(handled.clone(), stock_moves);
-                let route = services.full_stack(records.batch_handler(batch_handler));
-                runner_consumer(&services.channel, &topology, route.await, handled).await
+                let route = match self {
+                    Consumer::FullStackBatchHandlerTwoLayers => {
+                        services
+                            .full_stack_in_two_layers(records.batch_handler(batch_handler))
+                            .await
+                    }
+                    _ => services.full_stack(records.batch_handler(batch_handler)).await,
+                };
+                runner_consumer(&services.channel, &topology, route, handled).await
             }
             Consumer::MysqlFullStack => {
                 let records = services.mysql_records();
@@ -290,23 +304,46 @@ impl Services {
     }
 
     /// The full stack in front of `records` (the record tier with its handler): the Redis
-    /// flag with the record behind it and the Redis lock on the body's `/sku`.
-    async fn full_stack<S>(&self, records: S) -> Route<impl RouteStack<S::Error> + use<S>>
+    /// flag with the record behind it and the Redis lock on the body's `/sku`, as one tier
+    /// ([`FlagLockLayer`]), as the fast path composes them.
+    async fn full_stack<S>(&self, records: S) -> Route<BoxedStack>
     where
         S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
         S::Future: Send,
         S::Error: Into<BoxError>,
     {
+        let (flag, lock) = self.flag_and_lock().await;
+        let stack = ServiceBuilder::new()
+            .layer(FlagLockLayer::new(flag, lock))
+            .service(records);
+        Route::new("bench", key(), boxed(stack))
+    }
+
+    /// The same with the flag and the lock as two layers, one behind the other.
+    async fn full_stack_in_two_layers<S>(&self, records: S) -> Route<BoxedStack>
+    where
+        S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        S::Future: Send,
+        S::Error: Into<BoxError>,
+    {
+        let (flag, lock) = self.flag_and_lock().await;
+        let stack = ServiceBuilder::new().layer(flag).layer(lock).service(records);
+        Route::new("bench", key(), boxed(stack))
+    }
+
+    /// The full stack's flag, with the record behind it, and its lock on the body's `/sku`.
+    async fn flag_and_lock(
+        &self,
+    ) -> (
+        FlagLayer<RedisFlagStore<redis::aio::ConnectionManager>>,
+        LockLayer<RedisLockStore<redis::aio::ConnectionManager>>,
+    ) {
         let connection = redis_connection(&self.redis.url()).await;
         let lock = LockLayer::new(
             RedisLockStore::new(connection).with_prefix(unique("bench")),
             KeyExtractor::json_pointer("/sku"),
         );
-        let stack = ServiceBuilder::new()
-            .layer(self.flag().await.with_record_behind())
-            .layer(lock)
-            .service(records);
-        Route::new("bench", key(), stack)
+        (self.flag().await.with_record_behind(), lock)
     }
 }
 

@@ -1,5 +1,5 @@
 //! `rocketmq`: end-to-end messages per second through RocketMQ's concurrent listener with the
-//! full stack (the Redis flag with the record behind it, the Redis lock and the PostgreSQL
+//! full stack (the Redis flag with the record behind it and the Redis lock as one tier, and the PostgreSQL
 //! record, each message's handler writing a row in the record's transaction), the record one
 //! transaction per message and batched, next to a raw listener that only counts. All on the
 //! same broker and topic, each consumer group reading it from its first offset, with batches of
@@ -14,6 +14,7 @@ use integration_tests::redis_server::ScratchRedis;
 use integration_tests::rocketmq::ScratchRocketMq;
 use integration_tests::{redis_connection, unique};
 use oncely::flag::{FlagLayer, RedisFlagStore};
+use oncely::flag_lock::FlagLockLayer;
 use oncely::lock::{LockLayer, RedisLockStore};
 use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
 use oncely_rocketmq::ConcurrentListener;
@@ -193,9 +194,10 @@ impl Services {
             }
         });
         let pool = schema_pool(schema.name(), 16);
+        let flag = FlagLayer::new(flags, std::time::Duration::from_secs(600)).with_record_behind();
+        let lock = LockLayer::new(locks, KeyExtractor::json_pointer("/sku"));
         let stack = ServiceBuilder::new()
-            .layer(FlagLayer::new(flags, std::time::Duration::from_secs(600)).with_record_behind())
-            .layer(LockLayer::new(locks, KeyExtractor::json_pointer("/sku")))
+            .layer(FlagLockLayer::new(flag, lock))
             .service(mode.stack(&pool, schema.records(), handler));
         Route::new(
             "bench",
