@@ -25,6 +25,9 @@
 //! - a failed release script loses the flag's update with the lock's release: the claim
 //!   stays in flight until its lease ends, where the two layers might have settled it (with
 //!   a record behind, the copies go on to the record meanwhile);
+//! - the lease is read once, before the release: where the watchdog marks it lost while the
+//!   release is on its way and the release still finds the lock ours, the outcome stands
+//!   (no one else held the lock); the two layers, reading it after, would retry;
 //! - metrics and logs name the tier `flag_lock`;
 //! - a lock found busy never leaves a claim behind, even for an instant: the two tiers claim,
 //!   then release.
