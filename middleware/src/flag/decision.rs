@@ -76,6 +76,7 @@ impl<St> FlagLayer<St> {
     }
 
     /// Whether a claim that finds the key in flight stops the delivery (no record behind).
+    #[cfg(feature = "redis")]
     pub(crate) fn in_flight_stops(&self) -> bool {
         !self.record_behind
     }

@@ -35,6 +35,7 @@ pub use crate::store::memory::flag::MemoryFlagStore;
 #[cfg(feature = "redis")]
 pub use crate::store::redis::flag::{FlagState, FlagView, RedisFlagStore};
 pub use decision::FlagTicket;
+#[cfg(feature = "redis")]
 pub(crate) use decision::FlagUpdate;
 pub use layer::FlagLayer;
 pub use store::{Claim, FlagStore};
