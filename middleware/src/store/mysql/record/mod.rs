@@ -19,7 +19,7 @@ use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
-use crate::store::sql::coalesce::{ClaimMany, Coalescer};
+use crate::store::sql::coalesce::{self, ClaimCoalescer, ClaimMany};
 use crate::store::sql::{ClaimRequest, to_i64};
 
 /// A three-step [`RecordStore`] on MySQL 8 or MariaDB, shared by every consumer process.
@@ -42,7 +42,7 @@ pub struct MysqlRecordStore {
     pool: MySqlPool,
     table: Table,
     statements: Arc<Statements>,
-    coalescer: Option<Coalescer>,
+    coalescer: Option<ClaimCoalescer>,
 }
 
 impl MysqlRecordStore {
@@ -78,7 +78,7 @@ impl MysqlRecordStore {
             pool: self.pool.clone(),
             statements: self.statements.clone(),
         };
-        self.coalescer = Some(Coalescer::spawn(claims, max_rows.clamp(1, 1000), max_batches));
+        self.coalescer = Some(coalesce::spawn(claims, max_rows.clamp(1, 1000), max_batches));
         self
     }
 
@@ -176,7 +176,7 @@ impl RecordStore for MysqlRecordStore {
         if let Some(coalescer) = &self.coalescer {
             // Checked here: one key the table cannot hold must not fail its whole batch.
             check_key_len(key)?;
-            if let Some(answer) = coalescer.claim(request.clone()).await? {
+            if let Some(answer) = coalescer.ask(request.clone()).await? {
                 return Ok(answer);
             }
             // A takeover, a key another consumer inserted during the batch, or a claim of a

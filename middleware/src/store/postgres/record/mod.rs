@@ -36,7 +36,7 @@ use crate::fingerprint::Fingerprint;
 use crate::record::{Begin, ConsumptionRecord, RecordStatus, RecordStore, StuckRecords};
 use crate::store::postgres::claims::{ClaimRequest, Statements, claim_batch, read_record, to_i64};
 use crate::store::postgres::{Checkout, Table};
-use crate::store::sql::coalesce::{ClaimMany, Coalescer};
+use crate::store::sql::coalesce::{self, ClaimCoalescer, ClaimMany};
 
 /// A three-step [`RecordStore`] on PostgreSQL, shared by every consumer process.
 ///
@@ -48,7 +48,7 @@ pub struct PgRecordStore {
     pool: Pool,
     table: Table,
     statements: Arc<Statements>,
-    coalescer: Option<Coalescer>,
+    coalescer: Option<ClaimCoalescer>,
 }
 
 impl PgRecordStore {
@@ -77,7 +77,7 @@ impl PgRecordStore {
             pool: self.pool.clone(),
             statements: self.statements.clone(),
         };
-        self.coalescer = Some(Coalescer::spawn(claims, max_rows.max(1), max_batches));
+        self.coalescer = Some(coalesce::spawn(claims, max_rows.max(1), max_batches));
         self
     }
 
@@ -152,7 +152,7 @@ impl RecordStore for PgRecordStore {
         };
         if let Some(coalescer) = &self.coalescer {
             // Every key is answered in the batch.
-            return Ok(coalescer.claim(request).await?.unwrap_or(Begin::InProgress));
+            return Ok(coalescer.ask(request).await?.unwrap_or(Begin::InProgress));
         }
         Checkout::run(&self.pool, async |client| {
             let claimed = claim_batch(client, &self.statements, &[request], RecordStatus::Processing).await?;
