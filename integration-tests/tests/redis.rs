@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use integration_tests::postgres::boxed;
+use integration_tests::postgres::{BoxedStack, boxed};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{counting_handler, redis_connection, redis_url, unique};
 use oncely::flag::{Claim, FlagLayer, FlagState, FlagStore, RedisFlagStore};
@@ -434,6 +434,8 @@ enum Composition {
     TwoLayers,
     /// `FlagLockLayer`: the same decisions in two.
     Joint,
+    /// `FlagLockLayer` with coalescing: the same two, as one-delivery script calls.
+    Coalesced,
 }
 
 /// One step of a differential scenario.
@@ -523,6 +525,11 @@ async fn observe(composition: Composition, record_behind: bool, steps: &[Step]) 
                 .layer(FlagLockLayer::new(flag, lock))
                 .service(handler),
         ),
+        Composition::Coalesced => boxed(
+            ServiceBuilder::new()
+                .layer(FlagLockLayer::new(flag, lock).with_coalescing(16, 2))
+                .service(handler),
+        ),
     };
     let route = Route::new("orders", order_key(), stack);
     let mut observed = Vec::new();
@@ -573,15 +580,18 @@ async fn observe(composition: Composition, record_behind: bool, steps: &[Step]) 
     observed
 }
 
-/// `steps` through both compositions: the joint tier must leave every outcome and every
-/// key as the two layers do. Returns the two layers' observations, for the expectations.
+/// `steps` through every composition: the joint tier, coalesced or not, must leave every
+/// outcome and every key as the two layers do. Returns the two layers' observations, for
+/// the expectations.
 async fn same_in_both(record_behind: bool, steps: &[Step]) -> Vec<Observed> {
     let two_layers = observe(Composition::TwoLayers, record_behind, steps).await;
-    let joint = observe(Composition::Joint, record_behind, steps).await;
-    assert_eq!(
-        joint, two_layers,
-        "record behind: {record_behind}, steps: {steps:?}"
-    );
+    for composition in [Composition::Joint, Composition::Coalesced] {
+        let joint = observe(composition, record_behind, steps).await;
+        assert_eq!(
+            joint, two_layers,
+            "{composition:?}, record behind: {record_behind}, steps: {steps:?}"
+        );
+    }
     two_layers
 }
 
@@ -758,4 +768,228 @@ async fn redis_down_the_joint_flag_and_lock_fails_closed_and_names_itself() {
         Some(RetryReason::StoreUnavailable(Tier::FlagLock))
     );
     assert_eq!(ran.load(Ordering::SeqCst), 0);
+}
+
+/// A real Redis connection that counts the scripts called through it (how many calls the
+/// coalesced tier made), and can hold the first one back for a while, so that the
+/// deliveries behind it gather into the next call.
+#[derive(Clone)]
+struct Counted {
+    connection: ConnectionManager,
+    scripts: Arc<AtomicUsize>,
+    hold_first: Option<Duration>,
+}
+
+impl Counted {
+    async fn new(hold_first: Option<Duration>) -> Self {
+        Counted {
+            connection: redis_connection(&redis_url()).await,
+            scripts: Arc::default(),
+            hold_first,
+        }
+    }
+}
+
+impl redis::aio::ConnectionLike for Counted {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        let script = matches!(
+            cmd.args_iter().next(),
+            Some(redis::Arg::Simple(name)) if name.eq_ignore_ascii_case(b"EVALSHA")
+        );
+        let first = script && self.scripts.fetch_add(1, Ordering::SeqCst) == 0;
+        let hold = self.hold_first.filter(|_| first);
+        let connection = &mut self.connection;
+        Box::pin(async move {
+            if let Some(hold) = hold {
+                tokio::time::sleep(hold).await;
+            }
+            connection.req_packed_command(cmd).await
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        self.connection.req_packed_commands(pipeline, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.connection.get_db()
+    }
+}
+
+/// Sends every delivery of `orders` at once through `route`, and again each one answered
+/// with a retry, until none is: the outcomes each copy ended with, per order.
+async fn deliver_until_settled(
+    route: Arc<Route<BoxedStack>>,
+    orders: Vec<Delivery>,
+) -> HashMap<String, Vec<Outcome>> {
+    let mut pending = orders;
+    let mut settled: HashMap<String, Vec<Outcome>> = HashMap::new();
+    for _ in 0..100 {
+        let sent: Vec<_> = (pending.drain(..))
+            .map(|delivery| {
+                let route = route.clone();
+                tokio::spawn(async move { (delivery.clone(), route.handle(delivery).await) })
+            })
+            .collect();
+        for handle in sent {
+            let (delivery, outcome) = handle.await.unwrap();
+            if matches!(outcome, Outcome::RetryLater(_)) {
+                pending.push(delivery);
+            } else {
+                let body: serde_json::Value = serde_json::from_slice(delivery.body()).unwrap();
+                let order = body["orderId"].as_str().unwrap().to_owned();
+                settled.entry(order).or_default().push(outcome);
+            }
+        }
+        if pending.is_empty() {
+            return settled;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{} deliveries still retried after 100 rounds", pending.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once() {
+    let counted = Counted::new(None).await;
+    let scripts = counted.scripts.clone();
+    let prefix = unique("oncely-coalesced");
+    let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
+    let locks = RedisLockStore::new(counted).with_prefix(prefix.clone());
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let handler = handler_fn({
+        let runs = runs.clone();
+        move |envelope: Envelope| {
+            *runs
+                .lock()
+                .unwrap()
+                .entry(envelope.key().to_string())
+                .or_default() += 1;
+            async {
+                // Long enough that copies and other orders are in flight together.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    let flag = FlagLayer::new(flags.clone(), Duration::from_secs(600));
+    let lock = LockLayer::new(locks.clone(), sku());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
+        .service(handler);
+    let route = Arc::new(Route::new("orders", order_key(), boxed(stack)));
+    // Every order three times at once, each on an entity of its own, and two orders on one
+    // shared entity, so a call holds copies of one key and deliveries of one entity.
+    let mut orders = Vec::new();
+    for _copy in 0..3 {
+        for n in 0..40 {
+            orders.push(order(&format!("o-{n}"), &format!("sku-{n}")));
+        }
+        orders.push(order("shared-a", "sku-shared"));
+        orders.push(order("shared-b", "sku-shared"));
+    }
+    let deliveries = orders.len();
+    let settled = deliver_until_settled(route, orders).await;
+    let called = scripts.load(Ordering::SeqCst);
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 42, "{runs:?}");
+    assert!(
+        runs.values().all(|&ran| ran == 1),
+        "a handler ran twice: {runs:?}"
+    );
+    for (order, outcomes) in &settled {
+        let processed = outcomes
+            .iter()
+            .filter(|outcome| **outcome == Outcome::Processed)
+            .count();
+        let duplicates = outcomes
+            .iter()
+            .filter(|outcome| **outcome == Outcome::Duplicate { tier: Tier::Flag })
+            .count();
+        assert_eq!((processed, duplicates), (1, 2), "{order}: {outcomes:?}");
+        let flag = flags.inspect(&BusinessKey::new(order.as_str())).await.unwrap();
+        assert!(is_done(&flag.state), "{order}: {flag:?}");
+    }
+    for entity in (0..40)
+        .map(|n| format!("sku-{n}"))
+        .chain(["sku-shared".to_owned()])
+    {
+        assert_eq!(locks.inspect(&entity).await.unwrap().holder, None, "{entity}");
+    }
+    // Uncoalesced, every delivery makes one claim call and each one let on a settle call.
+    assert!(
+        called < deliveries / 3,
+        "{called} script calls for {deliveries} deliveries and their retries: not coalesced"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call() {
+    let connection = redis_connection(&redis_url()).await;
+    // The first delivery's claim is held back, so the 32 sent next share one call.
+    let counted = Counted::new(Some(Duration::from_millis(300))).await;
+    let scripts = counted.scripts.clone();
+    let prefix = unique("oncely-coalesced");
+    let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
+    let locks = RedisLockStore::new(counted).with_prefix(prefix);
+    // Someone else wrote a hash under the flag's key of one order: GET fails on it.
+    let _: i64 = redis::cmd("HSET")
+        .arg(flags.redis_key(&BusinessKey::new("o-hash")))
+        .arg("field")
+        .arg("value")
+        .query_async(&mut connection.clone())
+        .await
+        .unwrap();
+    let (ran, handler) = counting_handler();
+    let flag = FlagLayer::new(flags, Duration::from_secs(600));
+    let lock = LockLayer::new(locks.clone(), sku());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
+        .service(handler);
+    let route = Arc::new(Route::new("orders", order_key(), stack));
+    let send = |delivery: Delivery| {
+        let route = route.clone();
+        tokio::spawn(async move { route.handle(delivery).await })
+    };
+    let first = send(order("o-first", "sku-first"));
+    while scripts.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The key of another type in the middle of the call: deliveries before and after it.
+    let sent: Vec<_> = (0..32)
+        .map(|n| match n {
+            16 => order("o-hash", "sku-hash"),
+            _ => order(&format!("o-{n}"), &format!("sku-{n}")),
+        })
+        .map(send)
+        .collect();
+    assert_eq!(first.await.unwrap(), Outcome::Processed);
+    let mut outcomes = Vec::new();
+    for handle in sent {
+        outcomes.push(handle.await.unwrap());
+    }
+    let hash = outcomes.remove(16);
+    assert!(
+        outcomes.iter().all(|outcome| *outcome == Outcome::Processed),
+        "{outcomes:?}"
+    );
+    assert_eq!(
+        hash.retry_reason(),
+        Some(RetryReason::StoreUnavailable(Tier::FlagLock))
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 32);
+    assert_eq!(locks.inspect("sku-hash").await.unwrap().holder, None);
+    // The held call, one or two for the 32 behind it, their settles, and a call again after
+    // each script's first NOSCRIPT: alone, the 33 would have made 65.
+    let called = scripts.load(Ordering::SeqCst);
+    assert!(
+        called < 16,
+        "{called} script calls: the deliveries did not share calls"
+    );
 }

@@ -17,6 +17,16 @@ pub(super) struct Joint<C> {
     pub(super) store: RedisFlagLock<C>,
 }
 
+impl<C: Clone> Clone for Joint<C> {
+    fn clone(&self) -> Self {
+        Joint {
+            flag: self.flag.clone(),
+            lock: self.lock.clone(),
+            store: self.store.clone(),
+        }
+    }
+}
+
 /// What the joint tier holds for one envelope: the flag's ticket and the lock's.
 #[derive(Debug)]
 pub(super) struct FlagLockTicket {
@@ -93,11 +103,8 @@ impl<C: RedisConnection> TierDecision for Joint<C> {
             .claim_and_acquire(JointClaim {
                 key: envelope.key(),
                 claim,
-                flag_lease: self.flag.lease,
-                in_flight_stops: self.flag.in_flight_stops(),
                 entity: &entity,
                 lock_token,
-                lock_lease: self.lock.lease,
             })
             .await?;
         let (found, fence) = match found.claim.transpose() {
@@ -135,14 +142,7 @@ impl<C: RedisConnection> TierDecision for Joint<C> {
         let lost = lock.lease.is_lost();
         let update = flag.update(outcome.is_settled() && !lost);
         let answered = (self.store)
-            .release_and_settle(
-                &lock.entity,
-                lock.token,
-                &flag.key,
-                update,
-                flag.fingerprint,
-                self.flag.retention,
-            )
+            .release_and_settle(&lock.entity, lock.token, &flag.key, update, flag.fingerprint)
             .await;
         let (released, updated) = match &answered {
             Ok((ours, updated)) => (Ok(*ours), Ok(*updated)),

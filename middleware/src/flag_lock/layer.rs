@@ -10,7 +10,7 @@ use crate::flag::{FlagLayer, RedisFlagStore};
 use crate::lock::{LockLayer, RedisLockStore};
 use crate::outcome::Outcome;
 use crate::store::redis::RedisConnection;
-use crate::store::redis::flag_lock::RedisFlagLock;
+use crate::store::redis::flag_lock::{JointSettings, RedisFlagLock};
 use crate::telemetry::Probe;
 use crate::tier::{Tier, TierRun, TierService, decide};
 
@@ -42,12 +42,45 @@ impl<C: RedisConnection> FlagLockLayer<C> {
     /// must be on one Redis (or one Redis Cluster): the joint scripts run on the flag
     /// store's connection.
     pub fn new(flag: FlagLayer<RedisFlagStore<C>>, lock: LockLayer<RedisLockStore<C>>) -> Self {
-        let store = RedisFlagLock::new(flag.store.clone(), lock.store.clone());
+        let settings = JointSettings {
+            flag_lease: flag.lease,
+            in_flight_stops: flag.in_flight_stops(),
+            lock_lease: lock.lease,
+            retention: flag.retention,
+        };
+        let store = RedisFlagLock::new(flag.store.clone(), lock.store.clone(), settings);
         FlagLockLayer {
             joint: Arc::new(Joint {
                 flag,
                 lock: Arc::new(lock),
                 store,
+            }),
+        }
+    }
+
+    /// Runs the Redis steps of concurrent deliveries together, group-commit style: each
+    /// delivery's claim and acquire joins the next script call, which leaves as soon as
+    /// fewer than `max_calls` calls of that script are on the wire, with every delivery
+    /// waiting at that moment (up to `max_deliveries`); so does the release and settle. A
+    /// lone delivery adds no delay; many in flight share one call, which costs Redis and the
+    /// consumer less than one call each. Redis runs a call's deliveries one after the other,
+    /// so two copies of one key in a call decide as they would one after the other, and one
+    /// delivery's error (a key of the wrong type) answers that delivery only.
+    ///
+    /// A settle waiting for its call counts against the lock's lease (the watchdog has
+    /// stopped by then): keep `max_calls` high enough that calls do not queue for long
+    /// under load, which a lease of seconds leaves ample room for.
+    ///
+    /// On Redis Cluster the tier runs the two layers one after the other (see the
+    /// [module docs](crate::flag_lock)), which this does not coalesce. Starts two tasks on
+    /// the current Tokio runtime, which end when the last clone of the layer is dropped.
+    pub fn with_coalescing(self, max_deliveries: usize, max_calls: usize) -> Self {
+        let Joint { flag, lock, store } = Arc::unwrap_or_clone(self.joint);
+        FlagLockLayer {
+            joint: Arc::new(Joint {
+                flag,
+                lock,
+                store: store.coalesced(max_deliveries, max_calls),
             }),
         }
     }

@@ -32,6 +32,14 @@
 //! - a lock found busy never leaves a claim behind, even for an instant: the two tiers claim,
 //!   then release.
 //!
+//! With [`FlagLockLayer::with_coalescing`], the deliveries in flight at the same moment
+//! share each script call: every delivery's claim and acquire joins the next call, which
+//! leaves at once when fewer than the configured number of calls are on the wire (a lone
+//! delivery never waits for a timer), and so do the releases. Redis runs a call's
+//! deliveries one after the other, each under `pcall`, so each decides as it would alone:
+//! two copies of one key in one call decide as one after the other, and one delivery's
+//! error answers that delivery only (deliveries before it in the call keep what they did).
+//!
 //! Both stores must be on one Redis: the scripts run on the flag store's connection, and
 //! the lock's watchdog renews on the lock store's. On Redis Cluster the flag's key (hash
 //! tag: the business key) and the lock's (the entity) are in different slots, where Redis
