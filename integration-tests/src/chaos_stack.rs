@@ -497,8 +497,8 @@ impl fmt::Display for ChaosStack {
 /// the body's `/orderId`; Redis keys start with `prefix`.
 ///
 /// Per delivery, the flag and the lock are two layers; batched, the fast path's
-/// [`FlagLockLayer`], the same two tiers in two round trips: the run holds either to the
-/// same promise.
+/// [`FlagLockLayer`] with its scripts coalesced, the same two tiers in two round trips
+/// shared by the deliveries in flight: the run holds either to the same promise.
 pub fn chaos_orders_route(
     database: ChaosDatabase,
     redis: ConnectionManager,
@@ -517,7 +517,11 @@ pub fn chaos_orders_route(
     let timeout = ServiceBuilder::new().layer(TimeoutLayer::new(HANDLER_TIMEOUT));
     let stack = match mode {
         RecordMode::PerDelivery => boxed(timeout.layer(flag).layer(lock).service(records)),
-        RecordMode::Batched => boxed(timeout.layer(FlagLockLayer::new(flag, lock)).service(records)),
+        RecordMode::Batched => boxed(
+            timeout
+                .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 2))
+                .service(records),
+        ),
     };
     Route::new("deduct_stock", KeyExtractor::json_pointer("/orderId"), stack)
 }

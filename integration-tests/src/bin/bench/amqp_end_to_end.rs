@@ -305,7 +305,7 @@ impl Services {
 
     /// The full stack in front of `records` (the record tier with its handler): the Redis
     /// flag with the record behind it and the Redis lock on the body's `/sku`, as one tier
-    /// ([`FlagLockLayer`]), as the fast path composes them.
+    /// ([`FlagLockLayer`], its scripts coalesced), as the fast path composes them.
     async fn full_stack<S>(&self, records: S) -> Route<BoxedStack>
     where
         S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
@@ -314,7 +314,7 @@ impl Services {
     {
         let (flag, lock) = self.flag_and_lock().await;
         let stack = ServiceBuilder::new()
-            .layer(FlagLockLayer::new(flag, lock))
+            .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 2))
             .service(records);
         Route::new("bench", key(), boxed(stack))
     }

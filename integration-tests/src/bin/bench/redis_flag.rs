@@ -1,15 +1,22 @@
-//! `redis`: flag claims next to raw `SET NX PX`, on a `redis-server` the bench starts itself
+//! `redis`: flag claims, and deliveries through the flag and the lock as one tier, next to
+//! raw `SET NX PX`, on a `redis-server` the bench starts itself
 //! on a free port and empties before every measurement, so each starts from the same empty
 //! keyspace and the machine's shared Redis is left alone.
 
 use std::process::Command;
 use std::time::Duration;
 
-use integration_tests::redis_connection;
+use std::sync::Arc;
+
+use integration_tests::postgres::{BoxedStack, boxed};
 use integration_tests::redis_server::ScratchRedis;
-use oncely::flag::{FlagStore, RedisFlagStore};
-use oncely::{BusinessKey, Fingerprint, Token};
+use integration_tests::{counting_handler, redis_connection};
+use oncely::flag::{FlagLayer, FlagStore, RedisFlagStore};
+use oncely::flag_lock::FlagLockLayer;
+use oncely::lock::{LockLayer, RedisLockStore};
+use oncely::{BusinessKey, Delivery, Fingerprint, KeyExtractor, Outcome, Route, Source, Token};
 use redis::aio::ConnectionManager;
+use tower::ServiceBuilder;
 
 use crate::measure::{IN_FLIGHT, Op, compare_at_each_level, op, throughput};
 use crate::report::{Plot, Report, Row, Section, Target};
@@ -26,17 +33,29 @@ enum Operation {
     Claim,
     /// A flag claim, then its completion: two round trips.
     ClaimAndComplete,
+    /// A delivery through the flag and the lock as one tier, to a handler that does
+    /// nothing: two scripts.
+    Joint,
+    /// The same, with the scripts of concurrent deliveries coalesced.
+    JointCoalesced,
 }
 
 impl Operation {
     /// The operations measured against [`Operation::RawSet`], in table order.
-    const MEASURED: [Operation; 2] = [Operation::Claim, Operation::ClaimAndComplete];
+    const MEASURED: [Operation; 4] = [
+        Operation::Claim,
+        Operation::ClaimAndComplete,
+        Operation::Joint,
+        Operation::JointCoalesced,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Operation::RawSet => "raw `SET NX PX`",
             Operation::Claim => "flag claim (`SET NX GET PX`)",
             Operation::ClaimAndComplete => "flag claim + complete (2 round trips)",
+            Operation::Joint => "a delivery through the flag and the lock as one tier (2 scripts)",
+            Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 2)`)",
         }
     }
 
@@ -67,8 +86,38 @@ impl Operation {
                     .await
                     .expect("complete");
             }),
+            Operation::Joint => deliveries(joint_route(connection, false)),
+            Operation::JointCoalesced => deliveries(joint_route(connection, true)),
         }
     }
+}
+
+/// A route with the flag and the lock on `/sku` as one tier, coalesced or not, in front of
+/// a handler that does nothing. Coalescing starts its tasks on the current runtime.
+fn joint_route(connection: &ConnectionManager, coalesced: bool) -> Route<BoxedStack> {
+    let flag = FlagLayer::new(RedisFlagStore::new(connection.clone()), KEY_TTL);
+    let lock = LockLayer::new(
+        RedisLockStore::new(connection.clone()),
+        KeyExtractor::json_pointer("/sku"),
+    );
+    let joint = FlagLockLayer::new(flag, lock);
+    let joint = if coalesced {
+        joint.with_coalescing(64, 2)
+    } else {
+        joint
+    };
+    let (_, handler) = counting_handler();
+    let stack = ServiceBuilder::new().layer(joint).service(handler);
+    Route::new("bench", KeyExtractor::json_pointer("/orderId"), boxed(stack))
+}
+
+/// Each operation delivers a new order, on an entity of its own, through `route`.
+fn deliveries(route: Route<BoxedStack>) -> Op {
+    op(Arc::new(route), |route, i| async move {
+        let body = format!(r#"{{"orderId":"{i}","sku":"{i}"}}"#);
+        let outcome = route.handle(Delivery::new(Source::new("bench"), body)).await;
+        assert_eq!(outcome, Outcome::Processed, "a bench delivery");
+    })
 }
 
 /// Measures every [`Operation::MEASURED`] against [`Operation::RawSet`] at each in-flight
