@@ -55,7 +55,7 @@ impl Operation {
             Operation::Claim => "flag claim (`SET NX GET PX`)",
             Operation::ClaimAndComplete => "flag claim + complete (2 round trips)",
             Operation::Joint => "a delivery through the flag and the lock as one tier (2 scripts)",
-            Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 2)`)",
+            Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 4)`)",
         }
     }
 
@@ -102,7 +102,7 @@ fn joint_route(connection: &ConnectionManager, coalesced: bool) -> Route<BoxedSt
     );
     let joint = FlagLockLayer::new(flag, lock);
     let joint = if coalesced {
-        joint.with_coalescing(64, 2)
+        joint.with_coalescing(64, 4)
     } else {
         joint
     };
