@@ -100,7 +100,9 @@ impl<Request: Send + 'static, Answer: Send + 'static> Coalescer<Request, Answer>
     }
 
     /// Runs `request` in the next batch: at once and in this task when a slot is free
-    /// (then no request is waiting for one), else in the batch the collector sends next.
+    /// (then the collector holds no batch waiting for one), else in the batch the collector
+    /// sends next. A request can overtake one the collector has not received yet; requests
+    /// in flight at the same moment have no order anyway.
     /// (Through the collector, the task hop cost a lone delivery through the joint flag and
     /// lock 17 % of its rate.)
     pub(crate) async fn ask(&self, request: Request) -> Result<Answer, StoreError> {
