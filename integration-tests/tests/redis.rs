@@ -3,7 +3,7 @@
 //! a run.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,8 +15,8 @@ use oncely::flag_lock::FlagLockLayer;
 use oncely::lock::{LockLayer, LockLease, LockStore, LockView, RedisLockStore};
 use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::{
-    BrokerAction, BusinessKey, DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome,
-    RetryReason, Route, Tier, Token, handler_fn,
+    BrokerAction, BusinessKey, DeadLetterReason, Delivery, Envelope, FailurePolicy, HandlerError,
+    KeyExtractor, Outcome, RetryReason, Route, Tier, Token, handler_fn,
 };
 use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
@@ -770,13 +770,15 @@ async fn redis_down_the_joint_flag_and_lock_fails_closed_and_names_itself() {
     assert_eq!(ran.load(Ordering::SeqCst), 0);
 }
 
-/// A real Redis connection that counts the scripts called through it (how many calls the
-/// coalesced tier made), and can hold the first one back for a while, so that the
-/// deliveries behind it gather into the next call.
+/// A real Redis connection that counts the commands sent through it (how many calls the
+/// coalesced tier made: scripts, and the commands a tier sends uncoalesced), and can hold
+/// the first script back for a while, so that the deliveries behind it gather into the
+/// next call.
 #[derive(Clone)]
 struct Counted {
     connection: ConnectionManager,
-    scripts: Arc<AtomicUsize>,
+    commands: Arc<AtomicUsize>,
+    script_sent: Arc<AtomicBool>,
     hold_first: Option<Duration>,
 }
 
@@ -784,7 +786,8 @@ impl Counted {
     async fn new(hold_first: Option<Duration>) -> Self {
         Counted {
             connection: redis_connection(&redis_url()).await,
-            scripts: Arc::default(),
+            commands: Arc::default(),
+            script_sent: Arc::default(),
             hold_first,
         }
     }
@@ -796,7 +799,8 @@ impl redis::aio::ConnectionLike for Counted {
             cmd.args_iter().next(),
             Some(redis::Arg::Simple(name)) if name.eq_ignore_ascii_case(b"EVALSHA")
         );
-        let first = script && self.scripts.fetch_add(1, Ordering::SeqCst) == 0;
+        self.commands.fetch_add(1, Ordering::SeqCst);
+        let first = script && !self.script_sent.swap(true, Ordering::SeqCst);
         let hold = self.hold_first.filter(|_| first);
         let connection = &mut self.connection;
         Box::pin(async move {
@@ -854,13 +858,75 @@ async fn deliver_until_settled(
     panic!("{} deliveries still retried after 100 rounds", pending.len());
 }
 
+/// A coalescing tier under test, at (64 deliveries, 1 call) on the counted connection.
+#[derive(Clone, Copy, Debug)]
+enum Coalescing {
+    /// The joint flag and lock (`FlagLockLayer::with_coalescing`), the lock on the body's
+    /// `/sku`.
+    FlagLock,
+    /// The flag alone on a coalescing store (`RedisFlagStore::with_coalescing`), failing
+    /// closed so that a store error shows in the outcome.
+    Flag,
+}
+
+/// A coalescing tier's stack in front of `handler`, and its flag and lock stores (the lock
+/// store unused by the flag alone).
+struct Coalesced {
+    route: Arc<Route<BoxedStack>>,
+    flags: RedisFlagStore<Counted>,
+    locks: RedisLockStore<Counted>,
+    /// The tier a store error is blamed on.
+    tier: Tier,
+}
+
+impl Coalescing {
+    fn stack<H>(self, counted: Counted, handler: H) -> Coalesced
+    where
+        H: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+        H::Future: Send,
+        H::Error: Into<oncely::BoxError>,
+    {
+        let prefix = unique("oncely-coalesced");
+        let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
+        let locks = RedisLockStore::new(counted).with_prefix(prefix);
+        let (stack, tier) = match self {
+            Coalescing::FlagLock => {
+                let flag = FlagLayer::new(flags.clone(), Duration::from_secs(600));
+                let lock = LockLayer::new(locks.clone(), sku());
+                let joint = FlagLockLayer::new(flag, lock).with_coalescing(64, 1);
+                (
+                    boxed(ServiceBuilder::new().layer(joint).service(handler)),
+                    Tier::FlagLock,
+                )
+            }
+            Coalescing::Flag => {
+                let flag = FlagLayer::new(flags.clone().with_coalescing(64, 1), Duration::from_secs(600))
+                    .with_failure_policy(FailurePolicy::FailClosed);
+                (
+                    boxed(ServiceBuilder::new().layer(flag).service(handler)),
+                    Tier::Flag,
+                )
+            }
+        };
+        Coalesced {
+            route: Arc::new(Route::new("orders", order_key(), stack)),
+            flags,
+            locks,
+            tier,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once() {
+    for coalescing in [Coalescing::FlagLock, Coalescing::Flag] {
+        copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing).await;
+    }
+}
+
+async fn copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing: Coalescing) {
     let counted = Counted::new(None).await;
-    let scripts = counted.scripts.clone();
-    let prefix = unique("oncely-coalesced");
-    let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
-    let locks = RedisLockStore::new(counted).with_prefix(prefix.clone());
+    let commands = counted.commands.clone();
     let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let handler = handler_fn({
         let runs = runs.clone();
@@ -877,12 +943,9 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
             }
         }
     });
-    let flag = FlagLayer::new(flags.clone(), Duration::from_secs(600));
-    let lock = LockLayer::new(locks.clone(), sku());
-    let stack = ServiceBuilder::new()
-        .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
-        .service(handler);
-    let route = Arc::new(Route::new("orders", order_key(), boxed(stack)));
+    let Coalesced {
+        route, flags, locks, ..
+    } = coalescing.stack(counted, handler);
     // Every order three times at once, each on an entity of its own, and two orders on one
     // shared entity, so a call holds copies of one key and deliveries of one entity.
     let mut orders = Vec::new();
@@ -895,13 +958,13 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
     }
     let deliveries = orders.len();
     let settled = deliver_until_settled(route, orders).await;
-    let called = scripts.load(Ordering::SeqCst);
+    let called = commands.load(Ordering::SeqCst);
 
     let runs = runs.lock().unwrap().clone();
-    assert_eq!(runs.len(), 42, "{runs:?}");
+    assert_eq!(runs.len(), 42, "{coalescing:?}: {runs:?}");
     assert!(
         runs.values().all(|&ran| ran == 1),
-        "a handler ran twice: {runs:?}"
+        "{coalescing:?}: a handler ran twice: {runs:?}"
     );
     for (order, outcomes) in &settled {
         let processed = outcomes
@@ -912,9 +975,13 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
             .iter()
             .filter(|outcome| **outcome == Outcome::Duplicate { tier: Tier::Flag })
             .count();
-        assert_eq!((processed, duplicates), (1, 2), "{order}: {outcomes:?}");
+        assert_eq!(
+            (processed, duplicates),
+            (1, 2),
+            "{coalescing:?}, {order}: {outcomes:?}"
+        );
         let flag = flags.inspect(&BusinessKey::new(order.as_str())).await.unwrap();
-        assert!(is_done(&flag.state), "{order}: {flag:?}");
+        assert!(is_done(&flag.state), "{coalescing:?}, {order}: {flag:?}");
     }
     for entity in (0..40)
         .map(|n| format!("sku-{n}"))
@@ -925,19 +992,29 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
     // Uncoalesced, every delivery makes one claim call and each one let on a settle call.
     assert!(
         called < deliveries / 3,
-        "{called} script calls for {deliveries} deliveries and their retries: not coalesced"
+        "{coalescing:?}: {called} commands for {deliveries} deliveries and their retries: not coalesced"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call() {
+    for coalescing in [Coalescing::FlagLock, Coalescing::Flag] {
+        a_key_of_another_type_fails_its_own_delivery_only(coalescing).await;
+    }
+}
+
+async fn a_key_of_another_type_fails_its_own_delivery_only(coalescing: Coalescing) {
     let connection = redis_connection(&redis_url()).await;
     // The first delivery's claim is held back, so the 32 sent next share one call.
     let counted = Counted::new(Some(Duration::from_millis(300))).await;
-    let scripts = counted.scripts.clone();
-    let prefix = unique("oncely-coalesced");
-    let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
-    let locks = RedisLockStore::new(counted).with_prefix(prefix);
+    let (commands, script_sent) = (counted.commands.clone(), counted.script_sent.clone());
+    let (ran, handler) = counting_handler();
+    let Coalesced {
+        route,
+        flags,
+        locks,
+        tier,
+    } = coalescing.stack(counted, handler);
     // Someone else wrote a hash under the flag's key of one order: GET fails on it.
     let _: i64 = redis::cmd("HSET")
         .arg(flags.redis_key(&BusinessKey::new("o-hash")))
@@ -946,19 +1023,12 @@ async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call()
         .query_async(&mut connection.clone())
         .await
         .unwrap();
-    let (ran, handler) = counting_handler();
-    let flag = FlagLayer::new(flags, Duration::from_secs(600));
-    let lock = LockLayer::new(locks.clone(), sku());
-    let stack = ServiceBuilder::new()
-        .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
-        .service(handler);
-    let route = Arc::new(Route::new("orders", order_key(), stack));
     let send = |delivery: Delivery| {
         let route = route.clone();
         tokio::spawn(async move { route.handle(delivery).await })
     };
     let first = send(order("o-first", "sku-first"));
-    while scripts.load(Ordering::SeqCst) == 0 {
+    while !script_sent.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     // The key of another type in the middle of the call: deliveries before and after it.
@@ -969,7 +1039,7 @@ async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call()
         })
         .map(send)
         .collect();
-    assert_eq!(first.await.unwrap(), Outcome::Processed);
+    assert_eq!(first.await.unwrap(), Outcome::Processed, "{coalescing:?}");
     let mut outcomes = Vec::new();
     for handle in sent {
         outcomes.push(handle.await.unwrap());
@@ -977,19 +1047,27 @@ async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call()
     let hash = outcomes.remove(16);
     assert!(
         outcomes.iter().all(|outcome| *outcome == Outcome::Processed),
-        "{outcomes:?}"
+        "{coalescing:?}: {outcomes:?}"
     );
     assert_eq!(
         hash.retry_reason(),
-        Some(RetryReason::StoreUnavailable(Tier::FlagLock))
+        Some(RetryReason::StoreUnavailable(tier)),
+        "{coalescing:?}"
     );
-    assert_eq!(ran.load(Ordering::SeqCst), 32);
+    assert_eq!(ran.load(Ordering::SeqCst), 32, "{coalescing:?}");
     assert_eq!(locks.inspect("sku-hash").await.unwrap().holder, None);
-    // The held call, one or two for the 32 behind it, their settles, and a call again after
-    // each script's first NOSCRIPT: alone, the 33 would have made 65.
-    let called = scripts.load(Ordering::SeqCst);
+    // Redis Cluster's probe, the held call, one or two for the 32 behind it, their settles,
+    // and a script load after each script's first NOSCRIPT: alone, the 33 would have made
+    // 65.
+    let called = commands.load(Ordering::SeqCst);
     assert!(
         called < 16,
-        "{called} script calls: the deliveries did not share calls"
+        "{coalescing:?}: {called} commands: the deliveries did not share calls"
     );
+}
+
+/// The coalescing flag store keeps every promise of a flag store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coalescing_flag_store_passes_the_flag_store_suite() {
+    oncely::store_suite!(flag, run: flag_store().await.with_coalescing(64, 1));
 }

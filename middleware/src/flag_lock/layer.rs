@@ -72,8 +72,14 @@ impl<C: RedisConnection> FlagLockLayer<C> {
     /// under load, which a lease of seconds leaves ample room for.
     ///
     /// On Redis Cluster the tier runs the two layers one after the other (see the
-    /// [module docs](crate::flag_lock)), which this does not coalesce. Starts two tasks on
-    /// the current Tokio runtime, which end when the last clone of the layer is dropped.
+    /// [module docs](crate::flag_lock)), which this does not coalesce. Like
+    /// [`RedisFlagStore::with_coalescing`], it needs one Redis or a Redis Cluster behind
+    /// the connection, not a proxy that shards keys. Starts two tasks on the current Tokio
+    /// runtime, which end when the last clone of the layer is dropped.
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime.
     pub fn with_coalescing(self, max_deliveries: usize, max_calls: usize) -> Self {
         let Joint { flag, lock, store } = Arc::unwrap_or_clone(self.joint);
         FlagLockLayer {

@@ -2,20 +2,22 @@
 //! the [joint tier](crate::flag_lock)'s backend. With coalescing, the steps of the
 //! deliveries in flight at the same moment share one script call.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
-use tokio::sync::{OnceCell, oneshot};
+use redis::{Script, ScriptInvocation};
 
-use super::flag::{IN_FLIGHT, LUA_COMPLETE, RedisFlagStore, done_marker, in_flight_marker, parse_marker};
+use super::flag::{
+    IN_FLIGHT, LUA_COMPLETE, LUA_SETTLE, RedisFlagStore, done_marker, in_flight_marker, parse_marker,
+    settle_args,
+};
 use super::lock::{LUA_ACQUIRE, RedisLockStore};
-use super::{LUA_COMPARE_AND_DELETE, RedisConnection, millis, script, tagged_key};
+use super::steps::{Runner, Step, per_delivery_script};
+use super::{CrossSlotScripts, LUA_COMPARE_AND_DELETE, RedisConnection, millis};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::flag::{Claim, FlagUpdate};
-use crate::store::coalesce::{Batch, Coalescer, Waiter, answer_each, copy_error, still_waiting};
 use crate::token::Token;
 
 /// Lua: `claim_and_acquire(flag, lock, fence, claim, flag_lease, stops, token, lock_lease,
@@ -51,8 +53,7 @@ end
 ";
 
 /// Lua: `release_and_settle(flag, lock, token, update, claim, done, retention)` is the
-/// lock's release, then the flag's `update` as if the lock was still held ('complete',
-/// 'release', 'mark_done' or 'nothing') of the claim `claim`, with the done marker `done`.
+/// lock's release, then the flag's `settle` as if the lock was still held.
 ///
 /// A lock that is no longer ours turns the outcome into a retry (a lost lease), so the flag
 /// then settles as for a retry: its claim is released and nothing is marked done. Answers
@@ -65,71 +66,41 @@ local function release_and_settle(flag, lock, token, update, claim, done, retent
     elseif ours == 0 and update == 'mark_done' then
         update = 'nothing'
     end
-    local updated = 1
-    if update == 'complete' then
-        updated = complete(flag, claim, done, retention)
-    elseif update == 'release' then
-        updated = compare_and_delete(flag, claim)
-    elseif update == 'mark_done' then
-        redis.call('SET', flag, done, 'PX', retention)
-    end
-    return {ours, updated, ''}
-end
-";
-
-/// Lua: `failure(error)` is the text of an error `pcall` caught. Each delivery of a script
-/// runs under `pcall`, so one delivery's error (a key of the wrong type) answers that
-/// delivery only, not the others sharing the call.
-const LUA_FAILURE: &str = r"
-local function failure(error)
-    if type(error) == 'table' then
-        return error.err or 'script error'
-    end
-    return tostring(error)
+    return {ours, settle(flag, update, claim, done, retention)}
 end
 ";
 
 /// Claim and acquire for each delivery. KEYS, per delivery: the flag, the lock, the fencing
 /// counter. ARGV: the flag's lease, '1' when a key in flight stops the delivery, the lock's
 /// lease, the in-flight marker prefix; then per delivery: the claim's marker, the lock's
-/// token. Answers per delivery as `claim_and_acquire` does, or `{-1, error, 0}`.
+/// token.
 static CLAIM_AND_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    script(
-        &[LUA_ACQUIRE, LUA_CLAIM_AND_ACQUIRE, LUA_FAILURE],
-        r"
-        local answers = {}
-        for i = 1, #KEYS / 3 do
-            local k, a = 3 * i - 2, 2 * i + 3
-            local ok, answer = pcall(claim_and_acquire, KEYS[k], KEYS[k + 1], KEYS[k + 2],
-                ARGV[a], ARGV[1], ARGV[2], ARGV[a + 1], ARGV[3], ARGV[4])
-            answers[i] = ok and answer or {-1, failure(answer), 0}
-        end
-        return answers
-        ",
+    per_delivery_script(
+        &[LUA_ACQUIRE, LUA_CLAIM_AND_ACQUIRE],
+        3,
+        4,
+        2,
+        "claim_and_acquire, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], \
+         ARGV[a + 1], ARGV[1], ARGV[2], ARGV[a + 2], ARGV[3], ARGV[4]",
     )
 });
 
 /// Release and settle for each delivery. KEYS, per delivery: the flag, the lock. ARGV: the
 /// retention; then per delivery: the lock's token, the flag's update, the claim's marker,
-/// the done marker. Answers per delivery as `release_and_settle` does, or `{-1, 0, error}`.
+/// the done marker.
 static RELEASE_AND_SETTLE: LazyLock<Script> = LazyLock::new(|| {
-    script(
+    per_delivery_script(
         &[
             LUA_COMPARE_AND_DELETE,
             LUA_COMPLETE,
+            LUA_SETTLE,
             LUA_RELEASE_AND_SETTLE,
-            LUA_FAILURE,
         ],
-        r"
-        local answers = {}
-        for i = 1, #KEYS / 2 do
-            local k, a = 2 * i - 1, 4 * i - 2
-            local ok, answer = pcall(release_and_settle, KEYS[k], KEYS[k + 1],
-                ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[1])
-            answers[i] = ok and answer or {-1, 0, failure(answer)}
-        end
-        return answers
-        ",
+        2,
+        1,
+        4,
+        "release_and_settle, KEYS[k + 1], KEYS[k + 2], \
+         ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[1]",
     )
 });
 
@@ -188,12 +159,6 @@ struct SettleArgs {
     done: String,
 }
 
-/// The two scripts on one connection, over any number of deliveries.
-struct Scripts<C> {
-    connection: C,
-    settings: JointSettings,
-}
-
 /// What the claim and acquire of one delivery found: whether a marker was there, the
 /// marker, and the fencing token (0: the lock was not taken).
 type Claimed = (bool, String, u64);
@@ -202,105 +167,61 @@ type Claimed = (bool, String, u64);
 /// whether the flag's update found its claim.
 type Settled = (bool, bool);
 
-impl<C: RedisConnection> Scripts<C> {
-    /// Answers each delivery, or the error it met; an error of the call fails every
-    /// delivery.
-    async fn claim_and_acquire(
-        &self,
-        deliveries: &[ClaimArgs],
-    ) -> Result<Vec<Result<Claimed, StoreError>>, StoreError> {
-        let settings = &self.settings;
-        let mut invocation = CLAIM_AND_ACQUIRE.prepare_invoke();
+/// The claim and acquire of deliveries, with the two tiers' settings.
+struct Claims(JointSettings);
+
+impl Step for Claims {
+    type Request = ClaimArgs;
+    type Answer = Claimed;
+    const RUNS_ABANDONED: bool = false;
+
+    fn script(&self) -> &'static Script {
+        &CLAIM_AND_ACQUIRE
+    }
+
+    fn add_shared(&self, invocation: &mut ScriptInvocation<'_>) {
+        let settings = &self.0;
         invocation
             .arg(millis(settings.flag_lease))
             .arg(if settings.in_flight_stops { "1" } else { "0" })
             .arg(millis(settings.lock_lease))
             .arg(IN_FLIGHT);
-        for delivery in deliveries {
-            invocation
-                .key(&delivery.flag)
-                .key(&delivery.lock)
-                .key(&delivery.fence)
-                .arg(&delivery.claim)
-                .arg(&delivery.lock_token);
-        }
-        let answers: Vec<(i64, String, u64)> = invocation.invoke_async(&mut self.connection.clone()).await?;
-        Ok(answers
-            .into_iter()
-            .map(|(found, previous, fence)| match found {
-                // A delivery whose step failed: its marker field holds the error.
-                -1 => Err(StoreError::new(previous)),
-                _ => Ok((found == 1, previous, fence)),
-            })
-            .collect())
     }
 
-    /// Answers each delivery, or the error it met; an error of the call fails every
-    /// delivery.
-    async fn release_and_settle(
-        &self,
-        deliveries: &[SettleArgs],
-    ) -> Result<Vec<Result<Settled, StoreError>>, StoreError> {
-        let mut invocation = RELEASE_AND_SETTLE.prepare_invoke();
-        invocation.arg(millis(self.settings.retention));
-        for delivery in deliveries {
-            invocation
-                .key(&delivery.flag)
-                .key(&delivery.lock)
-                .arg(&delivery.lock_token)
-                .arg(delivery.update)
-                .arg(&delivery.claim)
-                .arg(&delivery.done);
-        }
-        let answers: Vec<(i64, i64, String)> = invocation.invoke_async(&mut self.connection.clone()).await?;
-        Ok(answers
-            .into_iter()
-            .map(|(ours, updated, error)| match ours {
-                -1 => Err(StoreError::new(error)),
-                _ => Ok((ours == 1, updated == 1)),
-            })
-            .collect())
+    fn add(&self, invocation: &mut ScriptInvocation<'_>, delivery: &ClaimArgs) {
+        invocation
+            .key(&delivery.flag)
+            .key(&delivery.lock)
+            .key(&delivery.fence)
+            .arg(&delivery.claim)
+            .arg(&delivery.lock_token);
     }
 }
 
-/// Answers each of `replies` with its delivery's answer, or with the call's error.
-fn answer_call<T>(
-    replies: Vec<oneshot::Sender<Result<T, StoreError>>>,
-    answers: Result<Vec<Result<T, StoreError>>, StoreError>,
-) {
-    match answers {
-        Ok(answers) => answer_each(replies, answers),
-        Err(error) => answer_each(replies, std::iter::repeat_with(|| Err(copy_error(&error)))),
-    }
-}
+/// The release and settle of deliveries, with the flag's retention.
+struct Settles(Duration);
 
-/// The claims of concurrent deliveries, in one script call.
-struct Claims<C>(Arc<Scripts<C>>);
-
-impl<C: RedisConnection> Batch for Claims<C> {
-    type Request = ClaimArgs;
-    type Answer = Claimed;
-
-    async fn run(&self, waiters: Vec<Waiter<ClaimArgs, Claimed>>) {
-        let (requests, replies): (Vec<_>, Vec<_>) = still_waiting(waiters).unzip();
-        if !requests.is_empty() {
-            answer_call(replies, self.0.claim_and_acquire(&requests).await);
-        }
-    }
-}
-
-/// The settles of concurrent deliveries, in one script call.
-struct Settles<C>(Arc<Scripts<C>>);
-
-impl<C: RedisConnection> Batch for Settles<C> {
+impl Step for Settles {
     type Request = SettleArgs;
     type Answer = Settled;
+    const RUNS_ABANDONED: bool = true;
 
-    /// Every settle runs, its caller waiting or not: a claim and a lock left behind would
-    /// hold their keys until their leases end.
-    async fn run(&self, waiters: Vec<Waiter<SettleArgs, Settled>>) {
-        let (requests, replies): (Vec<_>, Vec<_>) = waiters.into_iter().unzip();
-        answer_call(replies, self.0.release_and_settle(&requests).await);
+    fn script(&self) -> &'static Script {
+        &RELEASE_AND_SETTLE
+    }
+
+    fn add_shared(&self, invocation: &mut ScriptInvocation<'_>) {
+        invocation.arg(millis(self.0));
+    }
+
+    fn add(&self, invocation: &mut ScriptInvocation<'_>, delivery: &SettleArgs) {
+        invocation
+            .key(&delivery.flag)
+            .key(&delivery.lock)
+            .arg(&delivery.lock_token)
+            .arg(delivery.update)
+            .arg(&delivery.claim)
+            .arg(&delivery.done);
     }
 }
 
@@ -316,9 +237,9 @@ impl<C: RedisConnection> Batch for Settles<C> {
 pub(crate) struct RedisFlagLock<C> {
     pub(crate) flags: RedisFlagStore<C>,
     pub(crate) locks: RedisLockStore<C>,
-    scripts: Arc<Scripts<C>>,
-    coalesced: Option<(Coalescer<ClaimArgs, Claimed>, Coalescer<SettleArgs, Settled>)>,
-    fuses: Arc<OnceCell<bool>>,
+    claims: Runner<Claims, C>,
+    settles: Runner<Settles, C>,
+    cross_slot: CrossSlotScripts,
 }
 
 impl<C: RedisConnection> RedisFlagLock<C> {
@@ -326,52 +247,36 @@ impl<C: RedisConnection> RedisFlagLock<C> {
     /// scripts run on the flag store's connection.
     pub(crate) fn new(flags: RedisFlagStore<C>, locks: RedisLockStore<C>, settings: JointSettings) -> Self {
         RedisFlagLock {
-            scripts: Arc::new(Scripts {
-                connection: flags.connection.clone(),
-                settings,
-            }),
+            claims: Runner::new(Claims(settings), flags.connection.clone()),
+            settles: Runner::new(Settles(settings.retention), flags.connection.clone()),
             flags,
             locks,
-            coalesced: None,
-            fuses: Arc::default(),
+            cross_slot: CrossSlotScripts::default(),
         }
     }
 
     /// Runs the steps of concurrent deliveries together, up to `max_deliveries` per script
     /// call and `max_calls` calls of each script on the wire at once (see
-    /// [`Coalescer::spawn`]). Starts two tasks on the current Tokio runtime.
-    pub(crate) fn coalesced(mut self, max_deliveries: usize, max_calls: usize) -> Self {
-        self.coalesced = Some((
-            Coalescer::spawn(Claims(self.scripts.clone()), max_deliveries, max_calls),
-            Coalescer::spawn(Settles(self.scripts.clone()), max_deliveries, max_calls),
-        ));
-        self
+    /// [`Coalescer::spawn`](crate::store::coalesce::Coalescer::spawn)). Starts two tasks on
+    /// the current Tokio runtime.
+    pub(crate) fn coalesced(self, max_deliveries: usize, max_calls: usize) -> Self {
+        RedisFlagLock {
+            claims: self.claims.coalesced(max_deliveries, max_calls),
+            settles: self.settles.coalesced(max_deliveries, max_calls),
+            ..self
+        }
     }
 
-    /// Whether Redis takes a script over keys of two slots: false on Redis Cluster. Asked
-    /// once, with a script that touches nothing (the first callers wait for its answer);
-    /// an error (Redis down) is asked again by the next caller.
+    /// Whether the joint scripts can run: false on Redis Cluster (see
+    /// [`CrossSlotScripts`]).
     pub(crate) async fn fuses(&self) -> Result<bool, StoreError> {
-        let ask = || async {
-            let answer: Result<i64, RedisError> = redis::cmd("EVAL")
-                .arg("return 1")
-                .arg(2)
-                .arg(tagged_key(&self.flags.prefix, "probe", "a"))
-                .arg(tagged_key(&self.flags.prefix, "probe", "b"))
-                .query_async(&mut self.flags.connection.clone())
-                .await;
-            match answer {
-                Ok(_) => Ok(true),
-                Err(error) if matches!(error.kind(), ErrorKind::Server(ServerErrorKind::CrossSlot)) => {
-                    tracing::info!(
-                        "Redis Cluster: the flag and the lock run one after the other, not in joint scripts"
-                    );
-                    Ok(false)
-                }
-                Err(error) => Err(StoreError::from(error)),
-            }
-        };
-        self.fuses.get_or_try_init(ask).await.copied()
+        (self.cross_slot)
+            .taken(
+                &self.flags.connection,
+                &self.flags.prefix,
+                "the flag and the lock run one after the other, not in joint scripts",
+            )
+            .await
     }
 
     /// The claim, if one is asked, and the lock's acquire where the flag lets the delivery
@@ -384,10 +289,7 @@ impl<C: RedisConnection> RedisFlagLock<C> {
             claim: ask.claim.map(in_flight_marker).unwrap_or_default(),
             lock_token: ask.lock_token.to_string(),
         };
-        let (found, previous, fence) = match &self.coalesced {
-            Some((claims, _)) => claims.ask(args).await?,
-            None => alone(self.scripts.claim_and_acquire(&[args]).await)?,
-        };
+        let (found, previous, fence) = self.claims.run(args).await?;
         let claim = match (ask.claim, found) {
             (None, _) => None,
             (Some(_), false) => Some(Ok(Claim::Won)),
@@ -409,12 +311,7 @@ impl<C: RedisConnection> RedisFlagLock<C> {
         update: FlagUpdate,
         fingerprint: Fingerprint,
     ) -> Result<(bool, bool), StoreError> {
-        let (update, claim) = match update {
-            FlagUpdate::Complete(token) => ("complete", in_flight_marker(token)),
-            FlagUpdate::Release(token) => ("release", in_flight_marker(token)),
-            FlagUpdate::MarkDone => ("mark_done", String::new()),
-            FlagUpdate::Nothing => ("nothing", String::new()),
-        };
+        let (update, claim) = settle_args(update);
         let args = SettleArgs {
             flag: self.flags.redis_key(key),
             lock: self.locks.redis_key(entity),
@@ -423,19 +320,8 @@ impl<C: RedisConnection> RedisFlagLock<C> {
             claim,
             done: done_marker(fingerprint),
         };
-        match &self.coalesced {
-            Some((_, settles)) => settles.ask(args).await,
-            None => alone(self.scripts.release_and_settle(&[args]).await),
-        }
+        self.settles.run(args).await
     }
-}
-
-/// The answer of a script called for one delivery.
-fn alone<T>(answers: Result<Vec<Result<T, StoreError>>, StoreError>) -> Result<T, StoreError> {
-    answers?
-        .into_iter()
-        .next()
-        .unwrap_or_else(|| Err(StoreError::malformed("a joint script answered no delivery")))
 }
 
 impl<C: Clone> Clone for RedisFlagLock<C> {
@@ -443,9 +329,9 @@ impl<C: Clone> Clone for RedisFlagLock<C> {
         RedisFlagLock {
             flags: self.flags.clone(),
             locks: self.locks.clone(),
-            scripts: self.scripts.clone(),
-            coalesced: self.coalesced.clone(),
-            fuses: self.fuses.clone(),
+            claims: self.claims.clone(),
+            settles: self.settles.clone(),
+            cross_slot: self.cross_slot.clone(),
         }
     }
 }
