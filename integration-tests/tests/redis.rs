@@ -15,8 +15,8 @@ use oncely::flag_lock::FlagLockLayer;
 use oncely::lock::{LockLayer, LockLease, LockStore, LockView, RedisLockStore};
 use oncely::record::{MemoryRecordStore, RecordLayer, RecordStatus, RecordStore};
 use oncely::{
-    BrokerAction, BusinessKey, DeadLetterReason, Delivery, Envelope, FailurePolicy, HandlerError,
-    KeyExtractor, Outcome, RetryReason, Route, Tier, Token, handler_fn,
+    BrokerAction, BusinessKey, DeadLetterReason, Delivery, Envelope, HandlerError, KeyExtractor, Outcome,
+    RetryReason, Route, Tier, Token, handler_fn,
 };
 use redis::aio::ConnectionManager;
 use tower::ServiceBuilder;
@@ -771,9 +771,9 @@ async fn redis_down_the_joint_flag_and_lock_fails_closed_and_names_itself() {
 }
 
 /// A real Redis connection that counts the commands sent through it (how many calls the
-/// coalesced tier made: scripts, and the commands a tier sends uncoalesced), and can hold
-/// the first script back for a while, so that the deliveries behind it gather into the
-/// next call.
+/// coalesced tier made: a fallback to commands per delivery counts too), and can hold the
+/// first script back for a while, so that the deliveries behind it gather into the next
+/// call.
 #[derive(Clone)]
 struct Counted {
     connection: ConnectionManager,
@@ -858,75 +858,13 @@ async fn deliver_until_settled(
     panic!("{} deliveries still retried after 100 rounds", pending.len());
 }
 
-/// A coalescing tier under test, at (64 deliveries, 1 call) on the counted connection.
-#[derive(Clone, Copy, Debug)]
-enum Coalescing {
-    /// The joint flag and lock (`FlagLockLayer::with_coalescing`), the lock on the body's
-    /// `/sku`.
-    FlagLock,
-    /// The flag alone on a coalescing store (`RedisFlagStore::with_coalescing`), failing
-    /// closed so that a store error shows in the outcome.
-    Flag,
-}
-
-/// A coalescing tier's stack in front of `handler`, and its flag and lock stores (the lock
-/// store unused by the flag alone).
-struct Coalesced {
-    route: Arc<Route<BoxedStack>>,
-    flags: RedisFlagStore<Counted>,
-    locks: RedisLockStore<Counted>,
-    /// The tier a store error is blamed on.
-    tier: Tier,
-}
-
-impl Coalescing {
-    fn stack<H>(self, counted: Counted, handler: H) -> Coalesced
-    where
-        H: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
-        H::Future: Send,
-        H::Error: Into<oncely::BoxError>,
-    {
-        let prefix = unique("oncely-coalesced");
-        let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
-        let locks = RedisLockStore::new(counted).with_prefix(prefix);
-        let (stack, tier) = match self {
-            Coalescing::FlagLock => {
-                let flag = FlagLayer::new(flags.clone(), Duration::from_secs(600));
-                let lock = LockLayer::new(locks.clone(), sku());
-                let joint = FlagLockLayer::new(flag, lock).with_coalescing(64, 1);
-                (
-                    boxed(ServiceBuilder::new().layer(joint).service(handler)),
-                    Tier::FlagLock,
-                )
-            }
-            Coalescing::Flag => {
-                let flag = FlagLayer::new(flags.clone().with_coalescing(64, 1), Duration::from_secs(600))
-                    .with_failure_policy(FailurePolicy::FailClosed);
-                (
-                    boxed(ServiceBuilder::new().layer(flag).service(handler)),
-                    Tier::Flag,
-                )
-            }
-        };
-        Coalesced {
-            route: Arc::new(Route::new("orders", order_key(), stack)),
-            flags,
-            locks,
-            tier,
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once() {
-    for coalescing in [Coalescing::FlagLock, Coalescing::Flag] {
-        copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing).await;
-    }
-}
-
-async fn copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing: Coalescing) {
     let counted = Counted::new(None).await;
     let commands = counted.commands.clone();
+    let prefix = unique("oncely-coalesced");
+    let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
+    let locks = RedisLockStore::new(counted).with_prefix(prefix.clone());
     let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let handler = handler_fn({
         let runs = runs.clone();
@@ -943,9 +881,12 @@ async fn copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing:
             }
         }
     });
-    let Coalesced {
-        route, flags, locks, ..
-    } = coalescing.stack(counted, handler);
+    let flag = FlagLayer::new(flags.clone(), Duration::from_secs(600));
+    let lock = LockLayer::new(locks.clone(), sku());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
+        .service(handler);
+    let route = Arc::new(Route::new("orders", order_key(), boxed(stack)));
     // Every order three times at once, each on an entity of its own, and two orders on one
     // shared entity, so a call holds copies of one key and deliveries of one entity.
     let mut orders = Vec::new();
@@ -961,10 +902,10 @@ async fn copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing:
     let called = commands.load(Ordering::SeqCst);
 
     let runs = runs.lock().unwrap().clone();
-    assert_eq!(runs.len(), 42, "{coalescing:?}: {runs:?}");
+    assert_eq!(runs.len(), 42, "{runs:?}");
     assert!(
         runs.values().all(|&ran| ran == 1),
-        "{coalescing:?}: a handler ran twice: {runs:?}"
+        "a handler ran twice: {runs:?}"
     );
     for (order, outcomes) in &settled {
         let processed = outcomes
@@ -975,13 +916,9 @@ async fn copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing:
             .iter()
             .filter(|outcome| **outcome == Outcome::Duplicate { tier: Tier::Flag })
             .count();
-        assert_eq!(
-            (processed, duplicates),
-            (1, 2),
-            "{coalescing:?}, {order}: {outcomes:?}"
-        );
+        assert_eq!((processed, duplicates), (1, 2), "{order}: {outcomes:?}");
         let flag = flags.inspect(&BusinessKey::new(order.as_str())).await.unwrap();
-        assert!(is_done(&flag.state), "{coalescing:?}, {order}: {flag:?}");
+        assert!(is_done(&flag.state), "{order}: {flag:?}");
     }
     for entity in (0..40)
         .map(|n| format!("sku-{n}"))
@@ -992,29 +929,19 @@ async fn copies_of_one_order_in_one_script_call_run_the_handler_once(coalescing:
     // Uncoalesced, every delivery makes one claim call and each one let on a settle call.
     assert!(
         called < deliveries / 3,
-        "{coalescing:?}: {called} commands for {deliveries} deliveries and their retries: not coalesced"
+        "{called} commands for {deliveries} deliveries and their retries: not coalesced"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call() {
-    for coalescing in [Coalescing::FlagLock, Coalescing::Flag] {
-        a_key_of_another_type_fails_its_own_delivery_only(coalescing).await;
-    }
-}
-
-async fn a_key_of_another_type_fails_its_own_delivery_only(coalescing: Coalescing) {
     let connection = redis_connection(&redis_url()).await;
     // The first delivery's claim is held back, so the 32 sent next share one call.
     let counted = Counted::new(Some(Duration::from_millis(300))).await;
     let (commands, script_sent) = (counted.commands.clone(), counted.script_sent.clone());
-    let (ran, handler) = counting_handler();
-    let Coalesced {
-        route,
-        flags,
-        locks,
-        tier,
-    } = coalescing.stack(counted, handler);
+    let prefix = unique("oncely-coalesced");
+    let flags = RedisFlagStore::new(counted.clone()).with_prefix(prefix.clone());
+    let locks = RedisLockStore::new(counted).with_prefix(prefix);
     // Someone else wrote a hash under the flag's key of one order: GET fails on it.
     let _: i64 = redis::cmd("HSET")
         .arg(flags.redis_key(&BusinessKey::new("o-hash")))
@@ -1023,6 +950,13 @@ async fn a_key_of_another_type_fails_its_own_delivery_only(coalescing: Coalescin
         .query_async(&mut connection.clone())
         .await
         .unwrap();
+    let (ran, handler) = counting_handler();
+    let flag = FlagLayer::new(flags, Duration::from_secs(600));
+    let lock = LockLayer::new(locks.clone(), sku());
+    let stack = ServiceBuilder::new()
+        .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
+        .service(handler);
+    let route = Arc::new(Route::new("orders", order_key(), stack));
     let send = |delivery: Delivery| {
         let route = route.clone();
         tokio::spawn(async move { route.handle(delivery).await })
@@ -1039,7 +973,7 @@ async fn a_key_of_another_type_fails_its_own_delivery_only(coalescing: Coalescin
         })
         .map(send)
         .collect();
-    assert_eq!(first.await.unwrap(), Outcome::Processed, "{coalescing:?}");
+    assert_eq!(first.await.unwrap(), Outcome::Processed);
     let mut outcomes = Vec::new();
     for handle in sent {
         outcomes.push(handle.await.unwrap());
@@ -1047,14 +981,13 @@ async fn a_key_of_another_type_fails_its_own_delivery_only(coalescing: Coalescin
     let hash = outcomes.remove(16);
     assert!(
         outcomes.iter().all(|outcome| *outcome == Outcome::Processed),
-        "{coalescing:?}: {outcomes:?}"
+        "{outcomes:?}"
     );
     assert_eq!(
         hash.retry_reason(),
-        Some(RetryReason::StoreUnavailable(tier)),
-        "{coalescing:?}"
+        Some(RetryReason::StoreUnavailable(Tier::FlagLock))
     );
-    assert_eq!(ran.load(Ordering::SeqCst), 32, "{coalescing:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 32);
     assert_eq!(locks.inspect("sku-hash").await.unwrap().holder, None);
     // Redis Cluster's probe, the held call, one or two for the 32 behind it, their settles,
     // and a script load after each script's first NOSCRIPT: alone, the 33 would have made
@@ -1062,12 +995,6 @@ async fn a_key_of_another_type_fails_its_own_delivery_only(coalescing: Coalescin
     let called = commands.load(Ordering::SeqCst);
     assert!(
         called < 16,
-        "{coalescing:?}: {called} commands: the deliveries did not share calls"
+        "{called} commands: the deliveries did not share calls"
     );
-}
-
-/// The coalescing flag store keeps every promise of a flag store.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_coalescing_flag_store_passes_the_flag_store_suite() {
-    oncely::store_suite!(flag, run: flag_store().await.with_coalescing(64, 1));
 }

@@ -21,13 +21,6 @@ async fn the_redis_backends_pass_their_suites_on_a_cluster_connection() {
     let cluster = ScratchRedisCluster::start();
     let connection = cluster_connection(&cluster).await;
     oncely::store_suite!(flag, run: RedisFlagStore::new(connection.clone()).with_prefix(unique("t")));
-    // Coalescing falls back to a command per key on a cluster, and keeps every promise.
-    let coalescing = || {
-        RedisFlagStore::new(connection.clone())
-            .with_prefix(unique("t"))
-            .with_coalescing(64, 1)
-    };
-    oncely::store_suite!(flag, run: coalescing());
     oncely::store_suite!(lock, run: RedisLockStore::new(connection.clone()).with_prefix(unique("t")));
     the_joint_flag_and_lock_splits_on_a_cluster(connection).await;
 }

@@ -72,10 +72,12 @@ impl<C: RedisConnection> FlagLockLayer<C> {
     /// under load, which a lease of seconds leaves ample room for.
     ///
     /// On Redis Cluster the tier runs the two layers one after the other (see the
-    /// [module docs](crate::flag_lock)), which this does not coalesce. Like
-    /// [`RedisFlagStore::with_coalescing`], it needs one Redis or a Redis Cluster behind
-    /// the connection, not a proxy that shards keys. Starts two tasks on the current Tokio
-    /// runtime, which end when the last clone of the layer is dropped.
+    /// [module docs](crate::flag_lock)), which this does not coalesce. It needs one Redis or
+    /// a Redis Cluster behind the connection: a proxy that shards keys without refusing a
+    /// script over many (twemproxy, a sharding connection of your own) would run a call's
+    /// deliveries on the shard of its first key, where a copy sent alone would not see
+    /// them. Starts two tasks on the current Tokio runtime, which end when the last clone
+    /// of the layer is dropped.
     ///
     /// # Panics
     ///

@@ -1,6 +1,5 @@
 //! Coalescing: the requests of concurrent deliveries to one store share round trips, as
-//! the record's claims on the SQL stores and the flag's and the joint flag and lock's
-//! scripts on Redis do.
+//! the record's claims on the SQL stores and the joint flag and lock scripts on Redis do.
 //! How requests gather into batches is written once here; each store says how it runs a
 //! batch ([`Batch`]).
 

@@ -59,9 +59,6 @@ enum Consumer {
     Runner,
     /// The runner with the Redis flag in front of the handler.
     RunnerFlag,
-    /// The same with the flag store coalescing: the claims (and the completions) of the
-    /// deliveries in flight share script calls.
-    RunnerFlagCoalesced,
     /// The runner with the PostgreSQL record alone, one transaction per delivery, the
     /// handler writing a row in the record's transaction.
     Record,
@@ -71,8 +68,8 @@ enum Consumer {
     /// The record batched with a batch handler writing the rows of a batch at once, alone:
     /// the guarantee at its cheapest.
     RecordBatchHandler,
-    /// The same behind the Redis flag (coalescing) with the record behind it: what the flag
-    /// costs when nothing is a duplicate.
+    /// The same behind the Redis flag with the record behind it: what the flag costs when
+    /// nothing is a duplicate.
     FlagRecordBatchHandler,
     /// The runner with the full stack (the flag and the lock as one tier, `FlagLockLayer`),
     /// the record one transaction per delivery, the handler writing a row in the record's
@@ -95,12 +92,11 @@ enum Consumer {
 
 impl Consumer {
     /// Every consumer, the baseline first: the order they take turns in.
-    const ALL: [Consumer; 16] = [
+    const ALL: [Consumer; 15] = [
         Consumer::RawLapin,
         Consumer::RawLapinAtRunnerPrefetch,
         Consumer::Runner,
         Consumer::RunnerFlag,
-        Consumer::RunnerFlagCoalesced,
         Consumer::Record,
         Consumer::RecordBatched,
         Consumer::RecordBatchHandler,
@@ -120,12 +116,11 @@ impl Consumer {
             Consumer::RawLapinAtRunnerPrefetch => "raw lapin consumer at the runner's prefetch",
             Consumer::Runner => "runner, no tiers",
             Consumer::RunnerFlag => "runner, Redis flag",
-            Consumer::RunnerFlagCoalesced => "runner, Redis flag, coalesced (`with_coalescing(64, 4)`)",
             Consumer::Record => "runner, record per delivery (no Redis tiers)",
             Consumer::RecordBatched => "runner, batched record (no Redis tiers)",
             Consumer::RecordBatchHandler => "runner, batched record + batch handler (no Redis tiers)",
             Consumer::FlagRecordBatchHandler => {
-                "runner, Redis flag (coalesced) + batched record + batch handler (no lock)"
+                "runner, Redis flag + batched record + batch handler (no lock)"
             }
             Consumer::FullStack => "runner, full stack (flag + lock + record per delivery)",
             Consumer::FullStackBatched => "runner, full stack, batched record",
@@ -165,9 +160,9 @@ impl Consumer {
                 let route = Route::new("bench", key(), handler(handled.clone(), Effect::None));
                 runner_consumer(&services.channel, &topology, route, handled).await
             }
-            Consumer::RunnerFlag | Consumer::RunnerFlagCoalesced => {
+            Consumer::RunnerFlag => {
                 let stack = ServiceBuilder::new()
-                    .layer(services.flag(self == Consumer::RunnerFlagCoalesced).await)
+                    .layer(services.flag().await)
                     .service(handler(handled.clone(), Effect::None));
                 let route = Route::new("bench", key(), stack);
                 runner_consumer(&services.channel, &topology, route, handled).await
@@ -191,7 +186,7 @@ impl Consumer {
                 let batch_handler = records.batch_handler(counted(handled.clone(), stock_moves));
                 let route = match self {
                     Consumer::FlagRecordBatchHandler => {
-                        let flag = services.flag(true).await.with_record_behind();
+                        let flag = services.flag().await.with_record_behind();
                         Route::new(
                             "bench",
                             key(),
@@ -291,16 +286,10 @@ impl Services {
         }
     }
 
-    /// A Redis flag with a prefix of its own, so that no measurement sees another's keys;
-    /// its store coalescing at (64, 4) where `coalesced`.
-    async fn flag(&self, coalesced: bool) -> FlagLayer<RedisFlagStore<redis::aio::ConnectionManager>> {
+    /// A Redis flag with a prefix of its own, so that no measurement sees another's keys.
+    async fn flag(&self) -> FlagLayer<RedisFlagStore<redis::aio::ConnectionManager>> {
         let flags =
             RedisFlagStore::new(redis_connection(&self.redis.url()).await).with_prefix(unique("bench"));
-        let flags = if coalesced {
-            flags.with_coalescing(64, 4)
-        } else {
-            flags
-        };
         FlagLayer::new(flags, Duration::from_secs(600))
     }
 
@@ -354,7 +343,7 @@ impl Services {
             RedisLockStore::new(connection).with_prefix(unique("bench")),
             KeyExtractor::json_pointer("/sku"),
         );
-        (self.flag(false).await.with_record_behind(), lock)
+        (self.flag().await.with_record_behind(), lock)
     }
 }
 
@@ -399,12 +388,6 @@ pub(crate) async fn run(report: &mut Report) {
     report.add_target(Target {
         what: "RabbitMQ runner with the Redis flag",
         ratio: Row::last_ratio(&rows, Consumer::RunnerFlag.name()),
-        baseline: "a raw lapin consumer at prefetch 64",
-        at_least: 0.80,
-    });
-    report.add_target(Target {
-        what: "RabbitMQ runner with the Redis flag, its store coalescing",
-        ratio: Row::last_ratio(&rows, Consumer::RunnerFlagCoalesced.name()),
         baseline: "a raw lapin consumer at prefetch 64",
         at_least: 0.80,
     });

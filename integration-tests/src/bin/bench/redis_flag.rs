@@ -33,9 +33,6 @@ enum Operation {
     Claim,
     /// A flag claim, then its completion: two round trips.
     ClaimAndComplete,
-    /// The same on a coalescing store: the claims (and the completions) of concurrent
-    /// deliveries share one script call.
-    ClaimAndCompleteCoalesced,
     /// A delivery through the flag and the lock as one tier, to a handler that does
     /// nothing: two scripts.
     Joint,
@@ -45,10 +42,9 @@ enum Operation {
 
 impl Operation {
     /// The operations measured against [`Operation::RawSet`], in table order.
-    const MEASURED: [Operation; 5] = [
+    const MEASURED: [Operation; 4] = [
         Operation::Claim,
         Operation::ClaimAndComplete,
-        Operation::ClaimAndCompleteCoalesced,
         Operation::Joint,
         Operation::JointCoalesced,
     ];
@@ -58,9 +54,6 @@ impl Operation {
             Operation::RawSet => "raw `SET NX PX`",
             Operation::Claim => "flag claim (`SET NX GET PX`)",
             Operation::ClaimAndComplete => "flag claim + complete (2 round trips)",
-            Operation::ClaimAndCompleteCoalesced => {
-                "flag claim + complete, coalesced (`RedisFlagStore::with_coalescing(64, 4)`)"
-            }
             Operation::Joint => "a delivery through the flag and the lock as one tier (2 scripts)",
             Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 4)`)",
         }
@@ -85,24 +78,18 @@ impl Operation {
                 let key = BusinessKey::new(i.to_string());
                 store.claim(&key, Token::random(), KEY_TTL).await.expect("claim");
             }),
-            Operation::ClaimAndComplete => claim_and_complete(store),
-            Operation::ClaimAndCompleteCoalesced => claim_and_complete(store.with_coalescing(64, 4)),
+            Operation::ClaimAndComplete => op(store, |store, i| async move {
+                let (key, token) = (BusinessKey::new(i.to_string()), Token::random());
+                store.claim(&key, token, KEY_TTL).await.expect("claim");
+                store
+                    .complete(&key, token, Fingerprint::of(b"bench"), KEY_TTL)
+                    .await
+                    .expect("complete");
+            }),
             Operation::Joint => deliveries(joint_route(connection, false)),
             Operation::JointCoalesced => deliveries(joint_route(connection, true)),
         }
     }
-}
-
-/// Each operation claims a new key on `store` and completes it.
-fn claim_and_complete(store: RedisFlagStore<ConnectionManager>) -> Op {
-    op(store, |store, i| async move {
-        let (key, token) = (BusinessKey::new(i.to_string()), Token::random());
-        store.claim(&key, token, KEY_TTL).await.expect("claim");
-        store
-            .complete(&key, token, Fingerprint::of(b"bench"), KEY_TTL)
-            .await
-            .expect("complete");
-    })
 }
 
 /// A route with the flag and the lock on `/sku` as one tier, coalesced or not, in front of

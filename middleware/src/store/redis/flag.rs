@@ -2,13 +2,9 @@ use std::fmt;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use redis::{Script, ScriptInvocation};
+use redis::Script;
 
-use super::steps::{Runner, Step, per_delivery_script};
-use super::{
-    COMPARE_AND_DELETE, CrossSlotScripts, DEFAULT_REDIS_PREFIX, LUA_COMPARE_AND_DELETE, RedisConnection,
-    millis, script, tagged_key,
-};
+use super::{COMPARE_AND_DELETE, DEFAULT_REDIS_PREFIX, RedisConnection, millis, script, tagged_key};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
@@ -56,120 +52,6 @@ local function settle(key, update, in_flight, done, retention)
 end
 ";
 
-/// Lua: `claim(key, in_flight, lease)` is the claim's `SET NX GET PX`, answered as `{1,
-/// marker}` when a marker was there, `{0, ''}` when the claim was taken.
-const LUA_CLAIM: &str = r"
-local function claim(key, in_flight, lease)
-    local previous = redis.call('SET', key, in_flight, 'NX', 'GET', 'PX', lease)
-    if previous then
-        return {1, previous}
-    end
-    return {0, ''}
-end
-";
-
-/// Claims of many keys. KEYS: the flag, per delivery. ARGV, per delivery: the in-flight
-/// marker, the lease.
-static CLAIMS: LazyLock<Script> = LazyLock::new(|| {
-    per_delivery_script(
-        &[LUA_CLAIM],
-        1,
-        0,
-        2,
-        "claim, KEYS[k + 1], ARGV[a + 1], ARGV[a + 2]",
-    )
-});
-
-/// Settles of many keys. KEYS: the flag, per delivery. ARGV, per delivery: the update, the
-/// in-flight marker, the done marker, the retention.
-static SETTLES: LazyLock<Script> = LazyLock::new(|| {
-    per_delivery_script(
-        &[LUA_COMPARE_AND_DELETE, LUA_COMPLETE, LUA_SETTLE],
-        1,
-        0,
-        4,
-        "settle, KEYS[k + 1], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]",
-    )
-});
-
-/// One key's claim, as [`CLAIMS`] takes it.
-struct ClaimArgs {
-    key: String,
-    in_flight: String,
-    lease: u64,
-}
-
-/// The claims of deliveries.
-struct Claims;
-
-impl Step for Claims {
-    type Request = ClaimArgs;
-    /// Whether a marker was there, and the marker.
-    type Answer = (bool, String);
-    const RUNS_ABANDONED: bool = false;
-
-    fn script(&self) -> &'static Script {
-        &CLAIMS
-    }
-
-    fn add_shared(&self, _: &mut ScriptInvocation<'_>) {}
-
-    fn add(&self, invocation: &mut ScriptInvocation<'_>, claim: &ClaimArgs) {
-        invocation.key(&claim.key).arg(&claim.in_flight).arg(claim.lease);
-    }
-}
-
-/// One key's settle, as [`SETTLES`] takes it.
-struct SettleArgs {
-    key: String,
-    update: &'static str,
-    in_flight: String,
-    done: String,
-    retention: u64,
-}
-
-/// The settles of deliveries.
-struct Settles;
-
-impl Step for Settles {
-    type Request = SettleArgs;
-    /// Whether the update found the caller's claim.
-    type Answer = bool;
-    const RUNS_ABANDONED: bool = true;
-
-    fn script(&self) -> &'static Script {
-        &SETTLES
-    }
-
-    fn add_shared(&self, _: &mut ScriptInvocation<'_>) {}
-
-    fn add(&self, invocation: &mut ScriptInvocation<'_>, settle: &SettleArgs) {
-        invocation
-            .key(&settle.key)
-            .arg(settle.update)
-            .arg(&settle.in_flight)
-            .arg(&settle.done)
-            .arg(settle.retention);
-    }
-}
-
-/// A coalescing flag store's steps, and whether Redis takes them (not on Redis Cluster).
-struct Coalesced<C> {
-    claims: Runner<Claims, C>,
-    settles: Runner<Settles, C>,
-    cross_slot: CrossSlotScripts,
-}
-
-impl<C> Clone for Coalesced<C> {
-    fn clone(&self) -> Self {
-        Coalesced {
-            claims: self.claims.clone(),
-            settles: self.settles.clone(),
-            cross_slot: self.cross_slot.clone(),
-        }
-    }
-}
-
 /// A [`FlagStore`] on Redis 7.0 or later, shared by every consumer process.
 ///
 /// One string key per business key, `PREFIX:flag:{KEY}` (the braces are the Redis Cluster
@@ -179,15 +61,11 @@ impl<C> Clone for Coalesced<C> {
 ///   there is none and returns what was there, so checking and claiming cannot race;
 /// - complete and release are Lua scripts that compare the token first.
 ///
-/// With [coalescing](RedisFlagStore::with_coalescing), the claims (and the settles) of
-/// concurrent deliveries share one script call, which runs the same steps per key.
-///
 /// Markers vanish when Redis loses its data (restart without persistence, `FLUSHALL`,
 /// eviction under `maxmemory`): the flag then lets duplicates through to the tiers behind.
 pub struct RedisFlagStore<C> {
     pub(super) connection: C,
     pub(super) prefix: Arc<str>,
-    coalesced: Option<Coalesced<C>>,
 }
 
 impl<C: RedisConnection> RedisFlagStore<C> {
@@ -196,71 +74,7 @@ impl<C: RedisConnection> RedisFlagStore<C> {
         RedisFlagStore {
             connection,
             prefix: DEFAULT_REDIS_PREFIX.into(),
-            coalesced: None,
         }
-    }
-
-    /// Runs the claims of concurrent deliveries together, group-commit style: a claim joins
-    /// the next script call, which leaves as soon as fewer than `max_calls` claim calls are
-    /// on the wire, with every claim waiting at that moment (up to `max_deliveries`); so do
-    /// the settles (complete, release, mark done). A lone delivery adds no delay (its claim
-    /// leaves at once); many in flight share one call, which costs Redis and the consumer
-    /// less than a command each. Redis runs a call's claims one after the other, so two
-    /// copies of one key in a call decide as they would one after the other, and one key's
-    /// error (a key of another type) answers that delivery only.
-    ///
-    /// On Redis Cluster, where one script cannot span the slots of many keys, the store
-    /// finds that out before its first claim and sends a command per key, as without this.
-    /// It needs one Redis or a Redis Cluster behind the connection: a proxy that shards keys
-    /// without refusing a script over many (twemproxy, a sharding connection of your own)
-    /// would run a call's claims on the shard of its first key, where another copy's claim
-    /// sent alone would not see them.
-    ///
-    /// Starts two tasks on the current Tokio runtime, which end with the last clone of the
-    /// store.
-    ///
-    /// # Panics
-    ///
-    /// Outside a Tokio runtime.
-    pub fn with_coalescing(mut self, max_deliveries: usize, max_calls: usize) -> Self {
-        let connection = &self.connection;
-        self.coalesced = Some(Coalesced {
-            claims: Runner::new(Claims, connection.clone()).coalesced(max_deliveries, max_calls),
-            settles: Runner::new(Settles, connection.clone()).coalesced(max_deliveries, max_calls),
-            cross_slot: CrossSlotScripts::default(),
-        });
-        self
-    }
-
-    /// The coalesced steps, where configured and Redis takes them.
-    async fn coalesced(&self) -> Result<Option<&Coalesced<C>>, StoreError> {
-        let Some(coalesced) = &self.coalesced else {
-            return Ok(None);
-        };
-        let instead = "the flag sends a command per key, not coalesced scripts";
-        let taken = (coalesced.cross_slot)
-            .taken(&self.connection, &self.prefix, instead)
-            .await?;
-        Ok(taken.then_some(coalesced))
-    }
-
-    /// `update` of `key`'s marker in a coalesced settle.
-    async fn settle(
-        coalesced: &Coalesced<C>,
-        key: String,
-        update: FlagUpdate,
-        fingerprint: Fingerprint,
-        retention: Duration,
-    ) -> Result<bool, StoreError> {
-        let (update, in_flight) = settle_args(update);
-        let settle = SettleArgs {
-            key,
-            update,
-            in_flight,
-            done: done_marker(fingerprint),
-            retention: millis(retention),
-        };
-        coalesced.settles.run(settle).await
     }
 
     /// Sets the key prefix, e.g. per application or environment.
@@ -333,7 +147,6 @@ impl<C: Clone> Clone for RedisFlagStore<C> {
         RedisFlagStore {
             connection: self.connection.clone(),
             prefix: self.prefix.clone(),
-            coalesced: self.coalesced.clone(),
         }
     }
 }
@@ -342,7 +155,6 @@ impl<C> fmt::Debug for RedisFlagStore<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisFlagStore")
             .field("prefix", &self.prefix)
-            .field("coalesced", &self.coalesced.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -357,7 +169,7 @@ pub(super) fn done_marker(fingerprint: Fingerprint) -> String {
     format!("{DONE}{fingerprint}")
 }
 
-/// `update` as the settle scripts take it: its name, and the in-flight marker of its
+/// `update` as the joint settle script takes it: its name, and the in-flight marker of its
 /// claim ('' when it has none).
 pub(super) fn settle_args(update: FlagUpdate) -> (&'static str, String) {
     match update {
@@ -382,19 +194,6 @@ pub(super) fn parse_marker(marker: &str) -> Result<Claim, StoreError> {
 
 impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
     async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, StoreError> {
-        if let Some(coalesced) = self.coalesced().await? {
-            let claim = ClaimArgs {
-                key: self.redis_key(key),
-                in_flight: in_flight_marker(token),
-                lease: millis(lease),
-            };
-            let (found, marker) = coalesced.claims.run(claim).await?;
-            return if found {
-                parse_marker(&marker)
-            } else {
-                Ok(Claim::Won)
-            };
-        }
         let previous: Option<String> = redis::cmd("SET")
             .arg(self.redis_key(key))
             .arg(in_flight_marker(token))
@@ -414,10 +213,6 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
         fingerprint: Fingerprint,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let update = FlagUpdate::Complete(token);
-        if let Some(coalesced) = self.coalesced().await? {
-            return Self::settle(coalesced, self.redis_key(key), update, fingerprint, retention).await;
-        }
         COMPLETE
             .key(self.redis_key(key))
             .arg(in_flight_marker(token))
@@ -434,11 +229,6 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
         fingerprint: Fingerprint,
         retention: Duration,
     ) -> Result<(), StoreError> {
-        if let Some(coalesced) = self.coalesced().await? {
-            let update = FlagUpdate::MarkDone;
-            Self::settle(coalesced, self.redis_key(key), update, fingerprint, retention).await?;
-            return Ok(());
-        }
         redis::cmd("SET")
             .arg(self.redis_key(key))
             .arg(done_marker(fingerprint))
@@ -450,12 +240,6 @@ impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
     }
 
     async fn release(&self, key: &BusinessKey, token: Token) -> Result<bool, StoreError> {
-        if let Some(coalesced) = self.coalesced().await? {
-            let update = FlagUpdate::Release(token);
-            // A release marks nothing done: its fingerprint and retention go unused.
-            let (unused, retention) = (Fingerprint::from_u128(0), Duration::ZERO);
-            return Self::settle(coalesced, self.redis_key(key), update, unused, retention).await;
-        }
         COMPARE_AND_DELETE
             .key(self.redis_key(key))
             .arg(in_flight_marker(token))
