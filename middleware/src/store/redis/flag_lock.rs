@@ -2,10 +2,11 @@
 //! the [joint tier](crate::flag_lock)'s backend. With coalescing, the steps of the
 //! deliveries in flight at the same moment share one script call.
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use redis::{Script, ScriptInvocation};
+use redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind};
+use tokio::sync::OnceCell;
 
 use super::flag::{
     IN_FLIGHT, LUA_COMPLETE, LUA_SETTLE, RedisFlagStore, done_marker, in_flight_marker, parse_marker,
@@ -13,7 +14,7 @@ use super::flag::{
 };
 use super::lock::{LUA_ACQUIRE, RedisLockStore};
 use super::steps::{Runner, Step, per_delivery_script};
-use super::{CrossSlotScripts, LUA_COMPARE_AND_DELETE, RedisConnection, millis};
+use super::{LUA_COMPARE_AND_DELETE, RedisConnection, millis, tagged_key};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
@@ -239,7 +240,7 @@ pub(crate) struct RedisFlagLock<C> {
     pub(crate) locks: RedisLockStore<C>,
     claims: Runner<Claims, C>,
     settles: Runner<Settles, C>,
-    cross_slot: CrossSlotScripts,
+    fuses: Arc<OnceCell<bool>>,
 }
 
 impl<C: RedisConnection> RedisFlagLock<C> {
@@ -251,7 +252,7 @@ impl<C: RedisConnection> RedisFlagLock<C> {
             settles: Runner::new(Settles(settings.retention), flags.connection.clone()),
             flags,
             locks,
-            cross_slot: CrossSlotScripts::default(),
+            fuses: Arc::default(),
         }
     }
 
@@ -267,16 +268,30 @@ impl<C: RedisConnection> RedisFlagLock<C> {
         }
     }
 
-    /// Whether the joint scripts can run: false on Redis Cluster (see
-    /// [`CrossSlotScripts`]).
+    /// Whether Redis takes a script over keys of two slots: false on Redis Cluster. Asked
+    /// once, with a script that touches nothing (the first callers wait for its answer);
+    /// an error (Redis down) is asked again by the next caller.
     pub(crate) async fn fuses(&self) -> Result<bool, StoreError> {
-        (self.cross_slot)
-            .taken(
-                &self.flags.connection,
-                &self.flags.prefix,
-                "the flag and the lock run one after the other, not in joint scripts",
-            )
-            .await
+        let ask = || async {
+            let answer: Result<i64, RedisError> = redis::cmd("EVAL")
+                .arg("return 1")
+                .arg(2)
+                .arg(tagged_key(&self.flags.prefix, "probe", "a"))
+                .arg(tagged_key(&self.flags.prefix, "probe", "b"))
+                .query_async(&mut self.flags.connection.clone())
+                .await;
+            match answer {
+                Ok(_) => Ok(true),
+                Err(error) if matches!(error.kind(), ErrorKind::Server(ServerErrorKind::CrossSlot)) => {
+                    tracing::info!(
+                        "Redis Cluster: the flag and the lock run one after the other, not in joint scripts"
+                    );
+                    Ok(false)
+                }
+                Err(error) => Err(StoreError::from(error)),
+            }
+        };
+        self.fuses.get_or_try_init(ask).await.copied()
     }
 
     /// The claim, if one is asked, and the lock's acquire where the flag lets the delivery
@@ -331,7 +346,7 @@ impl<C: Clone> Clone for RedisFlagLock<C> {
             locks: self.locks.clone(),
             claims: self.claims.clone(),
             settles: self.settles.clone(),
-            cross_slot: self.cross_slot.clone(),
+            fuses: self.fuses.clone(),
         }
     }
 }

@@ -7,14 +7,11 @@ pub(crate) mod flag_lock;
 pub(crate) mod lock;
 mod steps;
 
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::time::Duration;
 
+use redis::Script;
 use redis::aio::ConnectionLike;
-use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
-use tokio::sync::OnceCell;
-
-use crate::error::StoreError;
 
 /// A Redis connection the Redis backends can use: any cloneable async connection, such as
 /// `redis::aio::ConnectionManager` (reconnects by itself) or a Redis Cluster connection.
@@ -75,44 +72,6 @@ pub(crate) static COMPARE_AND_DELETE: LazyLock<Script> = LazyLock::new(|| {
 /// runs it.
 pub(crate) fn script(functions: &[&str], body: &str) -> Script {
     Script::new(&format!("{}\n{body}", functions.concat()))
-}
-
-/// Whether Redis takes one script over keys of different slots: false on Redis Cluster,
-/// which refuses such a script (`CROSSSLOT`). A joint script (the flag's and the lock's
-/// keys) and a coalesced call (many deliveries' keys) need it; where Redis refuses, they
-/// run one key's commands at a time instead. Clones share the answer.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct CrossSlotScripts(Arc<OnceCell<bool>>);
-
-impl CrossSlotScripts {
-    /// Whether Redis takes them. Asked once, with a script that touches nothing (the first
-    /// callers wait for its answer); an error (Redis down) is asked again by the next
-    /// caller. Where Redis refuses, logs once at info that `instead` happens.
-    pub(crate) async fn taken<C: RedisConnection>(
-        &self,
-        connection: &C,
-        prefix: &str,
-        instead: &str,
-    ) -> Result<bool, StoreError> {
-        let ask = || async {
-            let answer: Result<i64, RedisError> = redis::cmd("EVAL")
-                .arg("return 1")
-                .arg(2)
-                .arg(tagged_key(prefix, "probe", "a"))
-                .arg(tagged_key(prefix, "probe", "b"))
-                .query_async(&mut connection.clone())
-                .await;
-            match answer {
-                Ok(_) => Ok(true),
-                Err(error) if matches!(error.kind(), ErrorKind::Server(ServerErrorKind::CrossSlot)) => {
-                    tracing::info!("Redis Cluster: {instead}");
-                    Ok(false)
-                }
-                Err(error) => Err(StoreError::from(error)),
-            }
-        };
-        self.0.get_or_try_init(ask).await.copied()
-    }
 }
 
 #[cfg(test)]

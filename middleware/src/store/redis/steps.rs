@@ -1,7 +1,8 @@
-//! A step of the Redis tiers (the flag's claim, the joint flag and lock's settle, …) as one
-//! Lua script over any number of deliveries: run for one delivery, or, coalesced, for the
-//! deliveries in flight at the same moment in one call. What the steps share is written
-//! once here: how a call is built and answered, and how one delivery's error stays its own.
+//! A step of a Redis tier (the joint flag and lock's claim and acquire, its release and
+//! settle) as one Lua script over any number of deliveries: run for one delivery, or,
+//! coalesced, for the deliveries in flight at the same moment in one call. What every step
+//! shares is written here, apart from what each decides: how a call is built and answered,
+//! and how one delivery's error stays its own.
 
 use std::sync::Arc;
 
