@@ -656,3 +656,52 @@ async fn connection_failures_that_retrying_cannot_fix_end_the_runner_with_their_
     );
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+/// The runner batches its acks (`multiple`) on a channel of its own: one delivery still
+/// running must hold back no one's ack, and no ack may settle it. Order 1 is published first
+/// (the lowest tag) and its handler never returns; the 19 behind it finish. Stopped with a
+/// short grace, the runner abandons order 1: exactly it comes back, the 19 stay acked. A
+/// `multiple` ack past it would lose it (nothing comes back); acks held behind it would
+/// bring back all 20.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_ack_never_settles_a_delivery_still_running_nor_waits_for_it() {
+    const ORDERS: usize = 20;
+    let bodies: Vec<Vec<u8>> = (1..=ORDERS).map(order_body).collect();
+    let bodies: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+    let (topology, channel) = queue_with("batched-acks", &bodies).await;
+    let finished = Arc::new(AtomicU32::new(0));
+    let handler = handler_fn({
+        let finished = finished.clone();
+        move |envelope: Envelope| {
+            let finished = finished.clone();
+            async move {
+                if envelope.key().as_str() == "order_1" {
+                    std::future::pending::<()>().await;
+                }
+                finished.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    let route = Route::new("acks", KeyExtractor::json_pointer("/orderId"), handler);
+    let runner = Runner::new(route, topology.clone()).with_shutdown_grace(Duration::from_millis(100));
+    let (shutdown, running) = integration_tests::amqp::start_runner(
+        runner,
+        integration_tests::amqp::amqp_addr(),
+        &unique("oncely-batched-acks"),
+    );
+    wait_until(Duration::from_secs(30), || async {
+        finished.load(Ordering::SeqCst) == ORDERS as u32 - 1
+    })
+    .await;
+    let report = integration_tests::amqp::stop_runner(shutdown, running).await;
+    assert_eq!(report.abandoned, 1, "order 1 was still running: {report:?}");
+    wait_until(Duration::from_secs(10), || async {
+        ready_messages(&channel, topology.queue()).await == 1
+    })
+    .await;
+    let back = drain(&channel, topology.queue()).await;
+    assert_eq!(back.len(), 1, "only the delivery still running comes back");
+    assert_eq!(back[0].delivery.data, order_body(1));
+    topology.delete(&channel).await.unwrap();
+}

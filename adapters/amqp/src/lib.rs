@@ -26,6 +26,7 @@
 //! [`ORIGINAL_EXCHANGE_HEADER`] and [`ORIGINAL_ROUTING_KEY_HEADER`]. The [`Producer`]
 //! publishes with confirms and retries under the same message id.
 
+mod acks;
 mod convert;
 mod error;
 mod producer;
