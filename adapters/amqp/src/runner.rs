@@ -98,7 +98,7 @@ pub const RETURNS_HEADER: &str = "x-oncely-returns";
 /// **Batched acks.** On the channel it opens itself ([`run_with_reconnect`](Runner::run_with_reconnect))
 /// the runner acks a run of consecutive settled deliveries with one `basic.ack`
 /// (`multiple`), never past a delivery still running or not yet taken from the channel; one
-/// settled behind a delivery still running waits at most 5 ms for the run to reach it, then
+/// settled behind a delivery still running waits about 5 ms for the run to reach it, then
 /// is acked alone, so a slow delivery holds no one's ack for longer. Measured on the 2-core
 /// machine (issue 25), this raised the runner's rate by about half with no tiers and by
 /// 12–25 % with the record, and cut RabbitMQ's CPU per message by a quarter to a half. On a
