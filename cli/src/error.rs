@@ -146,6 +146,15 @@ impl Remote {
         }
     }
 
+    /// The timeout for a client's own timers: a second past the tool's, so that the tool's
+    /// timer ([`Remote::call`]) is the one that fires on a silent server, reported as not
+    /// answering, rather than the client's, whose error reads as some other failure (a
+    /// pool timeout, a topic with no route). The client's timers stay a backstop for work
+    /// the tool does not wait on.
+    pub(crate) fn backstop(&self) -> Duration {
+        self.timeout + Duration::from_secs(1)
+    }
+
     /// `error`, as this service's failure.
     pub(crate) fn failed(&self, error: impl Into<BoxError>) -> CliError {
         CliError::Service {

@@ -166,6 +166,7 @@ enum Command {
     Purge(PurgeArgs),
     /// Dead letters: list, show, replay or purge those of RabbitMQ's QUEUE.dlq (--queue) or
     /// of a RocketMQ dead-letter topic (--topic).
+    #[command(after_help = "Example:\n  oncely dlq list --queue orders --reason rejected")]
     Dlq {
         #[command(subcommand)]
         command: dlq::DlqCommand,

@@ -77,7 +77,7 @@ impl Records {
             .database_url
             .parse()
             .map_err(|error| remote.failed(error))?;
-        config.connect_timeout(globals.timeout);
+        config.connect_timeout(remote.backstop());
         // The server gives up when the tool does: a statement the tool stopped waiting for
         // (a count on a huge table, an update waiting on a consumer's row lock) must not go
         // on running, or commit after the tool reported a timeout.
@@ -117,7 +117,7 @@ impl Records {
         let pool = MySqlPoolOptions::new()
             .max_connections(2)
             // Connecting included.
-            .acquire_timeout(timeout)
+            .acquire_timeout(remote.backstop())
             .after_connect(move |connection, _| Box::pin(bound_session(connection, timeout)))
             .connect_lazy_with(options.database(&database));
         Ok(Records {

@@ -28,8 +28,8 @@ impl RedisStores {
         let client =
             oncely::redis::Client::open(globals.redis_url.as_str()).map_err(|error| remote.failed(error))?;
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(globals.timeout))
-            .set_response_timeout(Some(globals.timeout));
+            .set_connection_timeout(Some(remote.backstop()))
+            .set_response_timeout(Some(remote.backstop()));
         let connection = remote
             .call(client.get_multiplexed_async_connection_with_config(&config))
             .await?;

@@ -28,7 +28,7 @@ pub(crate) enum DlqCommand {
     /// Lists dead letters (and leaves them there).
     #[command(
         after_help = "Example:\n  oncely dlq list --queue orders --reason rejected --since 2h\n  \
-                            oncely dlq list --topic points_dead_letters --route points"
+                            oncely dlq list --topic rocketmq_points_dead_letters --route credit_points"
     )]
     List(Filter),
     /// Shows one dead letter whole: properties, headers and body.

@@ -27,7 +27,9 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use oncely::dead_letter;
-use oncely_rocketmq::rocketmq_client_rust::{DefaultLitePullConsumer, DefaultMQProducer, OffsetStore};
+use oncely_rocketmq::rocketmq_client_rust::{
+    ClientConfig, ClientOptions, DefaultLitePullConsumer, DefaultMQProducer, OffsetStore,
+};
 use oncely_rocketmq::rocketmq_model::common::message::MessageConst;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::rocketmq_model::common::message::message_queue::MessageQueue;
@@ -45,6 +47,11 @@ const POLL_MS: u64 = 200;
 /// the client's default, so that a dead letter a listener's producer was allowed to write
 /// can be written again.
 const MAX_COPY_BYTES: u32 = 64 << 20;
+
+/// The shortest call timeout (milliseconds) the client's configuration accepts.
+const MIN_API_TIMEOUT_MS: u64 = 100;
+/// The longest.
+const MAX_API_TIMEOUT_MS: u64 = 60_000;
 
 /// The consumer group whose offsets on `topic` mark the dead letters the tool handled.
 pub(crate) fn operator_group(topic: &str) -> String {
@@ -86,7 +93,13 @@ impl DeadLetterTopic {
         // cannot reach: which one it is must be told apart first.
         reachable(&remote, &globals.rocketmq_namesrv).await?;
         let runtime = OwnedClientRuntime::new("oncely-dlq").map_err(|error| remote.failed(error))?;
+        // The client's own calls wait past the tool's timeout: its route lookup answers "no
+        // route" when its timer fires first, which would read as a missing topic.
+        let mut client = ClientConfig::default();
+        let backstop = u64::try_from(remote.backstop().as_millis()).unwrap_or(u64::MAX);
+        client.set_mq_client_api_timeout(backstop.clamp(MIN_API_TIMEOUT_MS, MAX_API_TIMEOUT_MS));
         let consumer = DefaultLitePullConsumer::builder(runtime.client_runtime())
+            .client_options(ClientOptions::legacy(client))
             .consumer_group(operator_group(topic))
             .name_server_addr(globals.rocketmq_namesrv.clone())
             // Offsets move only when the broker confirmed each dead letter handled.
