@@ -91,13 +91,42 @@ where
     );
     held.step_down().await.unwrap();
 
+    // Each pass notes its batches as they complete: passes that overlapped would
+    // interleave them (both delete a disjoint part of the table, so the counts alone would
+    // not tell).
+    let batches_by_pass = std::sync::Mutex::new(Vec::new());
+    let note = |pass: char| {
+        let batches_by_pass = &batches_by_pass;
+        move |rows| batches_by_pass.lock().expect("never poisoned").push((pass, rows))
+    };
     let (first, second) = (retention(), retention());
-    let (a, b) = tokio::join!(first.run_once(), second.run_once());
+    let (a, b) = tokio::join!(
+        first.run_once_with_progress(note('a')),
+        second.run_once_with_progress(note('b'))
+    );
     let purged = |pass: RetentionPass| match pass {
         RetentionPass::Purged { rows, .. } => rows,
         RetentionPass::Busy => 0,
     };
     assert_eq!(purged(a.unwrap()) + purged(b.unwrap()), 200);
+    // One pass's batches, then perhaps the other's, finding nothing left: a pass that ran
+    // beside the first would interleave its batches, or (blocked on the first's rows, then
+    // finding them gone) end with one empty batch, possibly before the first's.
+    let batches_by_pass = batches_by_pass.into_inner().expect("never poisoned");
+    let handovers = batches_by_pass
+        .windows(2)
+        .filter(|pair| pair[0].0 != pair[1].0)
+        .count();
+    let first_pass = batches_by_pass.first().map(|(pass, _)| *pass);
+    let purged_by_first: u64 = batches_by_pass
+        .iter()
+        .filter(|(pass, _)| Some(*pass) == first_pass)
+        .map(|(_, rows)| rows)
+        .sum();
+    assert!(
+        handovers <= 1 && purged_by_first == 200,
+        "two passes purged at once: batches (pass, rows) in the order {batches_by_pass:?}"
+    );
     for key in &keys {
         assert_eq!(store.get(key).await.unwrap(), None);
     }
