@@ -1,7 +1,7 @@
 //! `oncely dlq` against a real RabbitMQ, on dead letters a real runner wrote: listed,
 //! filtered, replayed once the handler is fixed (each then processed exactly once), purged;
-//! a message that is not oncely's is left in place; a missing queue and an unreachable
-//! broker are clear errors.
+//! a message that is not oncely's is left in place; a missing queue and a broker that refuses
+//! or never answers are clear errors.
 
 mod common;
 
@@ -27,9 +27,9 @@ struct Order {
     qty: u32,
 }
 
-/// What the handler saw of a replayed copy: its history header, and whether it still
-/// carried a dead-letter reason.
-type Seen = Arc<Mutex<HashMap<String, (Option<String>, bool)>>>;
+/// What the handler saw of a replayed copy: its history header, whether it still carried
+/// a dead-letter reason, and its attempt number.
+type Seen = Arc<Mutex<HashMap<String, (Option<String>, bool, u32)>>>;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_listed_replayed_once_and_purged() {
@@ -40,8 +40,14 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
     let channel = connect().await.unwrap().create_channel().await.unwrap();
     topology.declare(&channel).await.unwrap();
 
-    let rejecting: Arc<Mutex<HashSet<String>>> =
-        Arc::new(Mutex::new((0..5).map(|i| format!("r-{i}")).collect()));
+    // r-0…r-4 are rejected (dead-lettered at once); t-0 fails, for now, on every attempt
+    // (dead-lettered when its attempts run out, on attempt 2).
+    let rejecting: Arc<Mutex<HashSet<String>>> = Arc::new(Mutex::new(
+        (0..5)
+            .map(|i| format!("r-{i}"))
+            .chain(["t-0".to_owned()])
+            .collect(),
+    ));
     let seen: Seen = Arc::default();
     let handler = {
         let (rejecting, seen) = (rejecting.clone(), seen.clone());
@@ -53,10 +59,15 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
                     .get(name)
                     .map(|v| String::from_utf8_lossy(v).into_owned())
             };
-            seen.lock()
-                .unwrap()
-                .insert(key.to_string(), (header(HISTORY), header(REASON).is_some()));
+            seen.lock().unwrap().insert(
+                key.to_string(),
+                (header(HISTORY), header(REASON).is_some(), delivery.attempt()),
+            );
+            let fails_for_now = key.as_str().starts_with("t-");
             async move {
+                if rejected && fails_for_now {
+                    return Err(HandlerError::transient("the ledger is down"));
+                }
                 if rejected {
                     return Err(HandlerError::permanent("no such account"));
                 }
@@ -67,7 +78,7 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
         }
     };
     let stack = PgTransactionalLayer::new(pool, schema.records()).handler(handler);
-    let route = Route::new("effects", KeyExtractor::json_pointer("/orderId"), stack);
+    let route = Route::new("effects", KeyExtractor::json_pointer("/orderId"), stack).with_max_attempts(2);
     let (shutdown, running) = start_runner(
         Runner::new(route, topology.clone()),
         amqp_addr(),
@@ -78,12 +89,13 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
     let bodies = (0..3)
         .map(|i| format!(r#"{{"orderId":"ok-{i}","qty":1}}"#))
         .chain((0..5).map(|i| format!(r#"{{"orderId":"r-{i}","qty":1}}"#)))
+        .chain([r#"{"orderId":"t-0","qty":1}"#.to_owned()])
         .chain((0..2).map(|i| format!(r#"{{"orderId":"b-{i}"}}"#)));
     for body in bodies {
         producer.publish("", &queue, body.as_bytes(), None).await.unwrap();
     }
     wait_until(Duration::from_secs(30), || async {
-        ready_messages(&channel, &dlq).await == 7
+        ready_messages(&channel, &dlq).await == 8
     })
     .await;
 
@@ -92,7 +104,14 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
     assert_eq!(
         reasons(&all),
         [
-            "bad_body", "bad_body", "rejected", "rejected", "rejected", "rejected", "rejected"
+            "attempts_exhausted",
+            "bad_body",
+            "bad_body",
+            "rejected",
+            "rejected",
+            "rejected",
+            "rejected",
+            "rejected"
         ]
     );
     assert_eq!(
@@ -104,7 +123,7 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
             &oncely(&list(&["--route", "effects", "--since", "1h"])).await
         ))
         .len(),
-        7
+        8
     );
     assert_eq!(
         reasons(&json(&oncely(&list(&["--route", "other"])).await)).len(),
@@ -126,7 +145,7 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
         .unwrap();
     foreign.await.unwrap();
     wait_until(Duration::from_secs(5), || async {
-        ready_messages(&channel, &dlq).await == 8
+        ready_messages(&channel, &dlq).await == 9
     })
     .await;
     assert_eq!(reasons(&json(&oncely(&list(&[])).await))[0], "-");
@@ -136,7 +155,7 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
     assert_code(&dry, 0);
     assert_eq!(json(&dry)["done"].as_array().unwrap().len(), 5);
     wait_until(Duration::from_secs(5), || async {
-        ready_messages(&channel, &dlq).await == 8
+        ready_messages(&channel, &dlq).await == 9
     })
     .await;
     assert_code(&oncely(&replay(&["--reason", "rejected"])).await, 5);
@@ -152,7 +171,7 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
             effects_of(&schema, &key).await == 1
         })
         .await;
-        let (history, had_reason) = seen.lock().unwrap()[&key].clone();
+        let (history, had_reason, _) = seen.lock().unwrap()[&key].clone();
         let history = history.expect("the replayed copy carries the history");
         assert!(
             history.contains(" rejected: ") && history.contains("no such account"),
@@ -163,6 +182,23 @@ async fn dead_letters_are_listed_replayed_once_and_purged() {
     for key in ["ok-0", "ok-1", "ok-2"] {
         assert_eq!(effects_of(&schema, key).await, 1);
     }
+    assert_eq!(effects_of(&schema, "t-0").await, 0, "not replayed yet");
+
+    // The one whose attempts ran out starts again from attempt 1, not from where it stopped
+    // (with the route's 2 attempts, it would otherwise be dead-lettered again at once).
+    wait_until(Duration::from_secs(5), || async {
+        ready_messages(&channel, &dlq).await == 4
+    })
+    .await;
+    let exhausted = oncely(&replay(&["--reason", "attempts_exhausted", "--yes"])).await;
+    assert_code(&exhausted, 0);
+    wait_until(Duration::from_secs(30), || async {
+        effects_of(&schema, "t-0").await == 1
+    })
+    .await;
+    let (history, _, attempt) = seen.lock().unwrap()["t-0"].clone();
+    assert_eq!(attempt, 1, "the attempt counter was reset");
+    assert!(history.unwrap().contains(" attempts_exhausted: "));
     wait_until(Duration::from_secs(5), || async {
         ready_messages(&channel, &dlq).await == 3
     })
@@ -246,4 +282,18 @@ async fn a_missing_queue_and_an_unreachable_broker_are_errors() {
         "{error}"
     );
     assert!(started.elapsed() < Duration::from_secs(10));
+
+    // A broker that takes the connection and never answers the handshake.
+    let silent = common::silent_server();
+    let arguments = [
+        "--amqp-addr",
+        &format!("amqp://guest:guest@{silent}/%2f"),
+        "--timeout",
+        "1s",
+        "dlq",
+        "list",
+        "--queue",
+        &missing,
+    ];
+    common::assert_times_out(&arguments, "RabbitMQ", &silent, Duration::from_secs(8)).await;
 }

@@ -3,7 +3,8 @@
 //! is fixed (each then processed exactly once, under its original message id, with the
 //! reason in its history, and sent exactly once), purged; dead letters left in place
 //! between those handled are written again and listed exactly once; a message that is not
-//! oncely's stays; a missing topic and an unreachable name server are clear errors.
+//! oncely's stays; a missing topic and a name server that refuses or never answers are clear
+//! errors.
 
 mod common;
 
@@ -124,6 +125,10 @@ async fn dead_letters_of_a_topic_are_listed_replayed_once_and_purged() {
         .len(),
         7
     );
+    assert_eq!(
+        reasons(&json(&oncely(&list(&["--route", "other"])).await)).len(),
+        0
+    );
     let limited = json(&oncely(&list(&["--limit", "2"])).await);
     assert_eq!((reasons(&limited).len(), &limited["read"]), (2, &Value::from(2)));
 
@@ -207,6 +212,14 @@ async fn dead_letters_of_a_topic_are_listed_replayed_once_and_purged() {
     for key in ["b-0", "b-1"] {
         assert_eq!(effects_of(&schema, key).await, 0, "a purge replays nothing");
     }
+    // Everything since, the second replay and the purge included, applied nothing twice.
+    for key in original_ids
+        .keys()
+        .map(String::as_str)
+        .chain(["ok-0", "ok-1", "ok-2"])
+    {
+        assert_eq!(effects_of(&schema, key).await, 1, "{key}");
+    }
 
     rocketmq.shutdown().await;
 }
@@ -238,4 +251,19 @@ async fn a_missing_topic_and_an_unreachable_name_server_are_errors() {
         "{error}"
     );
     assert!(started.elapsed() < Duration::from_secs(15));
+
+    // A name server that takes the connection and never answers: not a missing topic,
+    // also with a timeout longer than the client's own default (3 s).
+    let silent = common::silent_server();
+    let arguments = [
+        "--rocketmq-namesrv",
+        &silent,
+        "--timeout",
+        "4s",
+        "dlq",
+        "list",
+        "--topic",
+        &missing,
+    ];
+    common::assert_times_out(&arguments, "RocketMQ", &silent, Duration::from_secs(15)).await;
 }

@@ -17,6 +17,7 @@ async fn every_subcommand_has_an_example_and_completions_print() {
         &["mark-done"],
         &["stats"],
         &["purge"],
+        &["dlq"],
         &["dlq", "list"],
         &["dlq", "show"],
         &["dlq", "replay"],

@@ -143,7 +143,8 @@ async fn the_readme_transcript_is_what_the_tool_prints() {
         })
         .await;
     }
-    // A consumer killed mid-handler (three-step record): its lease runs out at once.
+    // The row a consumer killed mid-handler leaves (three-step record), written as its
+    // `begin` wrote it, with a lease that runs out at once: `record.rs` kills a real one.
     let stuck = BusinessKey::new("order-1045");
     PgRecordStore::new(pool, schema.records())
         .begin(&stuck, Fingerprint::of(b"{}"), Duration::from_millis(1), None)

@@ -6,14 +6,15 @@
 mod common;
 
 use std::future::Future;
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{assert_code, json, oncely, stderr};
 use deadpool_postgres::Pool;
 use integration_tests::amqp::{orders_flag, orders_lock};
 use integration_tests::mysql::{ScratchDatabase, mysql_url};
-use integration_tests::postgres::{BoxedStack, ScratchSchema, boxed};
-use integration_tests::{redis_connection, redis_url, unique};
+use integration_tests::postgres::{BoxedStack, ScratchSchema, boxed, schema_pool};
+use integration_tests::{exit_when_orphaned, redis_connection, redis_url, unique, wait_until};
 use oncely::mysql::sqlx::{self, MySqlPool};
 use oncely::record::{
     Begin, MysqlRecordAdmin, MysqlRecordStore, MysqlTransaction, MysqlTransactionalLayer, PgRecordAdmin,
@@ -56,6 +57,7 @@ on_every_store!(
     a_database_that_does_not_answer_is_an_error_naming_it,
     a_settlement_that_waits_on_a_row_lock_does_not_outlive_the_tool,
     a_row_taken_over_after_the_operator_looked_is_left_alone,
+    a_consumer_killed_mid_handler_leaves_a_row_stuck_until_released,
 );
 
 /// The store a case runs on, as `--store` names it.
@@ -74,6 +76,14 @@ impl Store {
         }
     }
 
+    /// How the killed consumer's environment names this store.
+    fn name(self) -> &'static str {
+        match self {
+            Store::Postgres => "postgres",
+            Store::Mysql => "mysql",
+        }
+    }
+
     /// The arguments that choose this store.
     fn args(self) -> &'static [&'static str] {
         match self {
@@ -82,12 +92,18 @@ impl Store {
         }
     }
 
-    /// The argument pointing `oncely`'s store at a server that is not there (port 1), with
-    /// a password that must not show in what it prints.
-    fn unreachable_url(self) -> [&'static str; 2] {
+    /// The arguments pointing `oncely`'s store at `address` (`host:port`), with a password
+    /// that must not show in what it prints.
+    fn url_at(self, address: &str) -> Vec<String> {
         match self {
-            Store::Postgres => ["--database-url", "postgres://postgres:secret@127.0.0.1:1/test"],
-            Store::Mysql => ["--mysql-url", "mysql://root:secret@127.0.0.1:1/test"],
+            Store::Postgres => vec![
+                "--database-url".to_owned(),
+                format!("postgres://postgres:secret@{address}/test"),
+            ],
+            Store::Mysql => vec![
+                "--mysql-url".to_owned(),
+                format!("mysql://root:secret@{address}/test"),
+            ],
         }
     }
 }
@@ -446,10 +462,29 @@ async fn inspect_shows_the_record_the_flag_and_the_lock_of_a_processed_key(store
     assert_eq!(view["record"]["status"], "SUCCESS", "{view}");
     assert_eq!(view["unavailable"][0]["store"], "Redis", "{view}");
 
+    // A Redis that takes the connection and never answers: the same, within the timeout.
+    let silent = common::silent_server();
+    let started = std::time::Instant::now();
+    let silent_url = format!("redis://{silent}");
+    let silent_redis = [
+        &as_strs(&args)[..],
+        &["o-1", "--timeout", "1s", "--redis-url", &silent_url],
+    ]
+    .concat();
+    let output = oncely(&silent_redis).await;
+    assert_code(&output, 1);
+    let view = json(&output);
+    assert_eq!(view["record"]["status"], "SUCCESS", "{view}");
+    assert_eq!(view["unavailable"][0]["store"], "Redis", "{view}");
+    let error = view["unavailable"][0]["error"].as_str().unwrap();
+    assert!(error.contains("did not answer within"), "{view}");
+    assert!(started.elapsed() < Duration::from_secs(8), "{view}");
+
     // Nor a record store that does not answer what Redis said.
+    let unreachable = store.url_at("127.0.0.1:1");
     let no_record = [
         &as_strs(&args)[..],
-        &store.unreachable_url(),
+        &as_strs(&unreachable),
         &["--timeout", "2s", "o-1"],
     ]
     .concat();
@@ -645,16 +680,10 @@ async fn purge_deletes_old_successes_only_and_races_live_consumers_without_reapp
 }
 
 async fn a_database_that_does_not_answer_is_an_error_naming_it(store: Store) {
+    // A port nobody listens on.
     let started = std::time::Instant::now();
-    let output = oncely(
-        &[
-            store.args(),
-            &store.unreachable_url(),
-            &["--timeout", "2s", "stats"],
-        ]
-        .concat(),
-    )
-    .await;
+    let refused = store.url_at("127.0.0.1:1");
+    let output = oncely(&[store.args(), &as_strs(&refused), &["--timeout", "2s", "stats"]].concat()).await;
     assert_code(&output, 1);
     let error = stderr(&output);
     assert!(
@@ -662,6 +691,16 @@ async fn a_database_that_does_not_answer_is_an_error_naming_it(store: Store) {
         "{error}"
     );
     assert!(started.elapsed() < Duration::from_secs(10));
+
+    // A server that takes the connection and never answers: a timeout, not a hang, on a
+    // read (`stats`) and on a change (`release`).
+    let silent = common::silent_server();
+    let url = store.url_at(&silent);
+    for command in [&["stats"][..], &["release", "k-1", "--yes"]] {
+        let arguments = [store.args(), &as_strs(&url), &["--timeout", "1s"], command].concat();
+        common::assert_times_out(&arguments, store.service(), &silent, Duration::from_secs(8)).await;
+    }
+
     // A schema name that could not be one: a usage error, nothing run.
     assert_code(
         &oncely(&[store.args(), &["--schema", "Bad-Name", "stats"]].concat()).await,
@@ -731,6 +770,102 @@ async fn a_row_taken_over_after_the_operator_looked_is_left_alone(store: Store) 
     assert_eq!(done.status, RecordStatus::Success);
     assert_eq!(done.lease_until, None);
     assert_eq!(done.last_error.as_deref(), Some("marked done by an operator"));
+}
+
+/// Where the killed consumer finds its record table: the store's name and the schema or
+/// database's.
+const KILLED_STORE: &str = "ONCELY_CLI_KILLED_STORE";
+const KILLED_SCHEMA: &str = "ONCELY_CLI_KILLED_SCHEMA";
+
+/// A consumer killed (SIGKILL: no cleanup, no rollback of its own) while its handler runs:
+/// its row stays `PROCESSING`; `stuck` lists it once its lease ran out, `release` lets the
+/// key be taken again, and the redelivery applies the effect once.
+async fn a_consumer_killed_mid_handler_leaves_a_row_stuck_until_released(store: Store) {
+    let scratch = Scratch::new(store).await;
+    let consumer = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["--exact", "consumer_to_kill", "--ignored", "--nocapture"])
+        .env(KILLED_STORE, store.name())
+        .env(KILLED_SCHEMA, scratch.name())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the consumer");
+    let mut consumer = KilledOnDrop(consumer);
+    wait_until(Duration::from_secs(30), || async {
+        let view = json(&oncely(&scratch.args(&["inspect", "k-killed"])).await);
+        view["record"]["status"] == "PROCESSING"
+    })
+    .await;
+    consumer.0.kill().expect("kill the consumer");
+    consumer.0.wait().expect("the consumer ended");
+
+    wait_until(Duration::from_secs(30), || async {
+        json(&oncely(&scratch.args(&["stuck"])).await)["total"] == 1
+    })
+    .await;
+    let stuck = json(&oncely(&scratch.args(&["stuck"])).await);
+    assert_eq!(stuck["rows"][0]["key"], "k-killed", "{stuck}");
+    assert_eq!(stuck["rows"][0]["attempts"], 1, "{stuck}");
+    assert_eq!(
+        scratch.effects_of("k-killed").await,
+        0,
+        "killed before its effect"
+    );
+
+    assert_code(&oncely(&scratch.args(&["release", "k-killed", "--yes"])).await, 0);
+    let route = scratch.three_step_route();
+    assert_eq!(route.handle(order("k-killed")).await, Outcome::Processed);
+    assert_eq!(scratch.effects_of("k-killed").await, 1);
+    let view = json(&oncely(&scratch.args(&["inspect", "k-killed"])).await);
+    assert_eq!(view["record"]["status"], "SUCCESS", "{view}");
+    assert_eq!(view["record"]["attempts"], 2, "{view}");
+}
+
+/// A child process, killed when dropped: a test that fails before it kills the consumer
+/// does not leave it running.
+struct KilledOnDrop(Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The consumer the test above kills, run as a process of its own: the three-step record
+/// with a 2 s lease in front of a handler that never ends, on the record table the
+/// environment names. Without that environment (`cargo test -- --ignored`), it does nothing.
+#[tokio::test]
+#[ignore = "run by a_consumer_killed_mid_handler_leaves_a_row_stuck_until_released, which kills it"]
+async fn consumer_to_kill() {
+    let (Ok(store), Ok(name)) = (std::env::var(KILLED_STORE), std::env::var(KILLED_SCHEMA)) else {
+        return;
+    };
+    // Gone with the test, should the test die before it kills this process.
+    tokio::spawn(exit_when_orphaned());
+    let lease = Duration::from_secs(2);
+    let never_ends = oncely::handler_fn(|_: Envelope| std::future::pending::<Result<(), HandlerError>>());
+    let stack = match store.as_str() {
+        "postgres" => {
+            let table = oncely::postgres::Table::new(&name, "consumption_record").expect("a valid name");
+            let records = PgRecordStore::new(schema_pool(&name, 2), table);
+            boxed(
+                ServiceBuilder::new()
+                    .layer(RecordLayer::new(records).with_lease(lease))
+                    .service(never_ends),
+            )
+        }
+        _ => {
+            let pool = integration_tests::mysql::pool_on(&name, 2, None).await;
+            let records = MysqlRecordStore::new(pool, mysql_records());
+            boxed(
+                ServiceBuilder::new()
+                    .layer(RecordLayer::new(records).with_lease(lease))
+                    .service(never_ends),
+            )
+        }
+    };
+    let outcome = route(stack).handle(order("k-killed")).await;
+    unreachable!("the handler never ends, yet: {outcome:?}");
 }
 
 /// `arguments` as the `&str`s `common::args` takes.

@@ -4,7 +4,9 @@
 // Each test binary uses its part of these.
 #![allow(dead_code)]
 
+use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use deadpool_postgres::Pool;
 use integration_tests::postgres::{ScratchSchema, pool, schema_pool};
@@ -97,4 +99,63 @@ pub(crate) fn reasons(list: &Value) -> Vec<String> {
         .collect();
     reasons.sort();
     reasons
+}
+
+/// The address (`127.0.0.1:PORT`) of a server that takes every connection and never says a
+/// word: what an overloaded or half-dead store looks like from a client, which a refused
+/// port does not show (the connection is open; only the answer never comes). Its thread
+/// holds the connections for the rest of the test binary's life.
+pub(crate) fn silent_server() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let address = listener.local_addr().expect("its address").to_string();
+    std::thread::spawn(move || {
+        let mut held: Vec<TcpStream> = Vec::new();
+        for connection in listener.incoming() {
+            held.extend(connection.ok());
+        }
+    });
+    address
+}
+
+/// Runs `oncely` with `arguments` against a service that does not answer, and asserts what
+/// an operator relies on: exit 1 within `bound` (killed and failed if still running then:
+/// a hang), with an error naming `service` at `address` that says it did not answer.
+pub(crate) async fn assert_times_out(
+    arguments: &[impl AsRef<str>],
+    service: &str,
+    address: &str,
+    bound: Duration,
+) {
+    let arguments: Vec<String> = arguments
+        .iter()
+        .map(|argument| argument.as_ref().to_owned())
+        .collect();
+    let started = Instant::now();
+    let output = tokio::task::spawn_blocking(move || {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_oncely"))
+            .args(&arguments)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("oncely runs");
+        while child.try_wait().expect("its status").is_none() {
+            if started.elapsed() > bound {
+                let _ = child.kill();
+                panic!("oncely {arguments:?} still ran after {bound:?}: a hang");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        child.wait_with_output().expect("its output")
+    })
+    .await
+    .unwrap();
+    assert_code(&output, 1);
+    let error = stderr(&output);
+    assert!(
+        error.contains(&format!("{service} at "))
+            && error.contains(address)
+            && error.contains("did not answer within"),
+        "{error}"
+    );
 }
