@@ -811,7 +811,15 @@ async fn a_consumer_killed_mid_handler_leaves_a_row_stuck_until_released(store: 
         "killed before its effect"
     );
 
+    // The redelivery would take an expired lease over by itself; release shows as the
+    // operator's decision on the row, before it.
     assert_code(&oncely(&scratch.args(&["release", "k-killed", "--yes"])).await, 0);
+    let released = json(&oncely(&scratch.args(&["inspect", "k-killed"])).await);
+    assert_eq!(released["record"]["status"], "FAILURE", "{released}");
+    assert_eq!(
+        released["record"]["last_error"], "released by an operator",
+        "{released}"
+    );
     let route = scratch.three_step_route();
     assert_eq!(route.handle(order("k-killed")).await, Outcome::Processed);
     assert_eq!(scratch.effects_of("k-killed").await, 1);
@@ -854,7 +862,7 @@ async fn consumer_to_kill() {
                     .service(never_ends),
             )
         }
-        _ => {
+        "mysql" => {
             let pool = integration_tests::mysql::pool_on(&name, 2, None).await;
             let records = MysqlRecordStore::new(pool, mysql_records());
             boxed(
@@ -863,6 +871,7 @@ async fn consumer_to_kill() {
                     .service(never_ends),
             )
         }
+        other => panic!("{KILLED_STORE}={other:?}: neither postgres nor mysql"),
     };
     let outcome = route(stack).handle(order("k-killed")).await;
     unreachable!("the handler never ends, yet: {outcome:?}");
