@@ -363,8 +363,9 @@ pub fn orders_lock(redis: ConnectionManager, prefix: &str) -> LockLayer<RedisLoc
     .with_busy_delay(Duration::from_millis(100))
 }
 
-/// The lease of [`flag_record_orders_route`]'s and [`batched_orders_route`]'s flag: long, so that a recovery that waited
-/// for it would be plain to see.
+/// The lease of [`flag_record_orders_route`]'s and [`batched_orders_route`]'s flag: long, so
+/// that a recovery that waited for it would be plain to see (a flag with the record behind
+/// it claims nothing, so none should).
 pub const FLAG_RECORD_LEASE: Duration = Duration::from_secs(60);
 
 /// The red-packet shape of the stock-deduction route: the Redis flag with the record behind

@@ -305,8 +305,9 @@ async fn a_consumer_process_killed_mid_run_loses_nothing_and_applies_nothing_twi
 }
 
 /// The red-packet shape — the flag with the record behind it, then the record — after a
-/// SIGKILL mid-run: the keys the dead process had in flight keep its in-flight markers for
-/// the flag's whole lease (a minute here), yet the restarted consumer handles them at once.
+/// SIGKILL mid-run: the restarted consumer handles the keys the dead process had in flight
+/// at once. A flag that claimed them (as a flag alone does) would hold them for its whole
+/// lease, a minute here, past the test's wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_killed_mid_run_recovers_without_waiting_out_the_flag_lease() {
     killed_mid_run_then_drained("flag-record", "sigkill-recovery").await;

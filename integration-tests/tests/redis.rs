@@ -152,26 +152,39 @@ async fn fencing_tokens_keep_growing_across_a_redis_restart_that_lost_the_counte
 
 #[tokio::test]
 async fn the_lock_outlives_its_first_lease_while_the_handler_runs() {
-    let locks = lock_store().await;
-    let handler = handler_fn(|_: Envelope| async {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        Ok::<(), HandlerError>(())
-    });
-    let stack = ServiceBuilder::new()
-        .layer(LockLayer::new(locks.clone(), sku()).with_lease(Duration::from_millis(600)))
-        .service(handler);
-    let route = Route::new("orders", order_key(), stack);
-    let running = tokio::spawn(async move { route.handle(order("o-1", "sku-1")).await });
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let intruder = locks
-        .acquire("sku-1", Token::random(), Duration::from_secs(1))
-        .await
-        .unwrap();
-    assert_eq!(
-        intruder, None,
-        "the watchdog renewed the lease past its first 600 ms"
-    );
-    assert_eq!(running.await.unwrap(), Outcome::Processed);
+    for composition in [Composition::TwoLayers, Composition::Joint] {
+        let (connection, prefix) = (redis_connection(&redis_url()).await, unique("oncely-watchdog"));
+        let locks = RedisLockStore::new(connection.clone()).with_prefix(prefix.clone());
+        let handler = handler_fn(|_: Envelope| async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok::<(), HandlerError>(())
+        });
+        let lock = LockLayer::new(locks.clone(), sku()).with_lease(Duration::from_millis(600));
+        let stack = match composition {
+            Composition::TwoLayers => boxed(ServiceBuilder::new().layer(lock).service(handler)),
+            Composition::Joint | Composition::Coalesced => {
+                let flags = RedisFlagStore::new(connection).with_prefix(prefix);
+                let flag = FlagLayer::new(flags, Duration::from_secs(600));
+                boxed(
+                    ServiceBuilder::new()
+                        .layer(FlagLockLayer::new(flag.with_record_behind(), lock))
+                        .service(handler),
+                )
+            }
+        };
+        let route = Route::new("orders", order_key(), stack);
+        let running = tokio::spawn(async move { route.handle(order("o-1", "sku-1")).await });
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        let intruder = locks
+            .acquire("sku-1", Token::random(), Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(
+            intruder, None,
+            "{composition:?}: the watchdog renewed the lease past its first 600 ms"
+        );
+        assert_eq!(running.await.unwrap(), Outcome::Processed);
+    }
 }
 
 #[tokio::test]
@@ -618,9 +631,14 @@ async fn the_joint_flag_and_lock_decide_as_the_two_layers_on_the_happy_path_and_
             Some(660),
             "the done marker's retention: the window + 1 min"
         );
-        let leases = Some((FlagState::InFlight, Some(30), Some(7)));
+        // With a record behind, the flag claims nothing: it only read the marker.
+        let flag_while_running = match record_behind {
+            false => (FlagState::InFlight, Some(30)),
+            true => (FlagState::Absent, None),
+        };
         assert_eq!(
-            seen[0].while_running, leases,
+            seen[0].while_running,
+            Some((flag_while_running.0, flag_while_running.1, Some(7))),
             "the claim's and the lock's leases, as configured"
         );
         assert_eq!(seen[1].outcome, Outcome::Duplicate { tier: Tier::Flag });
@@ -709,7 +727,11 @@ async fn the_joint_flag_and_lock_decide_as_the_two_layers_when_the_handler_fails
         assert_eq!(seen[0].outcome.retry_reason(), Some(RetryReason::HandlerFailed));
         assert_eq!((seen[0].flag, seen[0].locked), (FlagState::Absent, false));
         assert_eq!(seen[1].outcome.retry_reason(), Some(RetryReason::LeaseLost));
-        assert_eq!(seen[1].flag, FlagState::Absent, "a lost lease releases the claim");
+        assert_eq!(
+            seen[1].flag,
+            FlagState::Absent,
+            "a lost lease releases the claim, or marks nothing done"
+        );
         // Another delivery's claim stays as it was: stopped in flight, or left alone by a
         // copy that went on to the record without it.
         assert_eq!(seen[2].flag, FlagState::InFlight);

@@ -40,7 +40,7 @@
 //! - [`Outcome`], [`DeadLetter`], [`BrokerAction`]: the stack's answer and the broker's action.
 //! - [`state_guard`]: applies an entity's events only along declared transitions.
 //! - `prefilter` (feature `prefilter`): a local Bloom filter or bitmap of settled keys that
-//!   lets a certainly new key skip the flag's claim.
+//!   lets a certainly new key skip the flag's read.
 //! - [`flag`]: a fast expiring "in flight / done" marker per key.
 //! - [`lock`]: mutual exclusion per entity, with a watchdog and a fencing token.
 //! - [`record`]: the durable consumption record, the final word on "was this processed".

@@ -163,6 +163,9 @@ async fn with_a_record_behind_concurrent_copies_still_run_the_handler_once() {
 struct Unreachable;
 
 impl FlagStore for Unreachable {
+    async fn look(&self, _: &BusinessKey) -> Result<Option<Fingerprint>, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
     async fn claim(&self, _: &BusinessKey, _: Token, _: Duration) -> Result<Claim, StoreError> {
         Err(StoreError::new("connection refused"))
     }

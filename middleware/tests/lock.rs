@@ -63,6 +63,32 @@ async fn the_watchdog_keeps_the_lock_while_a_long_handler_runs() {
     );
 }
 
+/// The watchdog runs in the delivery's future: a delivery cut off (a timeout in front, a
+/// shutdown) stops renewing, and its lock expires with its lease.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_delivery_stops_renewing_and_its_lock_expires_with_its_lease() {
+    let store = MemoryLockStore::new();
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store.clone(), sku()).with_lease(Duration::from_secs(3)))
+        .service(effects.handler(Duration::from_secs(100), 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let cut = tokio::time::timeout(Duration::from_secs(5), route.handle(order("o-1", "sku-1"))).await;
+    assert!(cut.is_err(), "the handler outlasts the timeout");
+    let taken = store
+        .acquire("sku-1", Token::random(), Duration::from_secs(3))
+        .await;
+    assert_eq!(taken.unwrap(), None, "renewed until the delivery was dropped");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let taken = store
+        .acquire("sku-1", Token::random(), Duration::from_secs(3))
+        .await;
+    assert!(
+        taken.unwrap().is_some(),
+        "no renewal after the drop: the lock expired with its lease"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_lost_lease_tells_the_handler_and_is_never_acked() {
     let store = MemoryLockStore::new();

@@ -6,13 +6,13 @@ mod common;
 use std::time::Duration;
 
 use common::{Effects, count, handle_concurrently, order};
-use oncely::flag::{Claim, FlagLayer, FlagStore, MemoryFlagStore};
+use oncely::flag::{FlagLayer, FlagStore, MemoryFlagStore};
 use oncely::prefilter::{BitmapPreFilter, BloomPreFilter, PreFilter, PreFilterLayer, Verdict};
 use oncely::record::{MemoryRecordStore, RecordLayer};
-use oncely::{BusinessKey, ConfigError, Fingerprint, KeyExtractor, Outcome, Route, Tier, Token};
+use oncely::{BusinessKey, ConfigError, Fingerprint, KeyExtractor, Outcome, Route, Tier};
 use tower::ServiceBuilder;
 
-/// Pre-filter, flag (skipping its claim for certainly new keys) and record, in front of a
+/// Pre-filter, flag (skipping its read for certainly new keys) and record, in front of a
 /// counting handler.
 fn route<F: PreFilter>(
     filter: PreFilterLayer<F>,
@@ -107,7 +107,7 @@ fn the_bitmap_reads_ids_from_the_base_up_and_sends_everything_else_the_full_way(
 }
 
 #[tokio::test]
-async fn a_certainly_new_key_skips_the_flag_claim_and_is_marked_done_after_success() {
+async fn a_certainly_new_key_skips_the_flags_read_and_is_marked_done_after_success() {
     let (flags, records, effects) = stores();
     let route = route(
         PreFilterLayer::new(BitmapPreFilter::new(0)),
@@ -116,22 +116,14 @@ async fn a_certainly_new_key_skips_the_flag_claim_and_is_marked_done_after_succe
         &effects,
     );
 
-    // Holding the flag's claim would make a claiming delivery answer "in flight".
-    let held = Token::random();
-    assert_eq!(
-        flags
-            .claim(&key("7"), held, Duration::from_secs(60))
-            .await
-            .unwrap(),
-        Claim::Won
-    );
+    // A done marker of another payload: a delivery that read the flag would be dead-lettered
+    // as a payload mismatch.
+    let other = Fingerprint::of(b"another payload");
+    (flags.mark_done(&key("7"), other, Duration::from_secs(60)).await).unwrap();
     assert_eq!(route.handle(order("7", "sku")).await, Outcome::Processed);
     assert_eq!(
-        flags
-            .claim(&key("7"), Token::random(), Duration::from_secs(60))
-            .await
-            .unwrap(),
-        Claim::Done(Fingerprint::of(br#"{"orderId":"7","sku":"sku"}"#)),
+        flags.look(&key("7")).await.unwrap(),
+        Some(Fingerprint::of(br#"{"orderId":"7","sku":"sku"}"#)),
         "marked done once the record settled it"
     );
     // Now remembered: the copy goes through the flag, which answers for it.

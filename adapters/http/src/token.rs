@@ -40,9 +40,8 @@ pub enum TokenCheck {
 ///
 /// A token's life is UNUSED → CREATING → COMPLETED. The book holds the UNUSED part (the
 /// token, its client, its expiry); the route's tiers hold the rest under the token as key,
-/// exactly as for an `Idempotency-Key`: CREATING is the key's claim (the Redis flag's
-/// in-flight marker, the record's row in the open transaction), COMPLETED its committed
-/// record with the stored response. So the move is atomic where the record's claim is.
+/// exactly as for an `Idempotency-Key`: CREATING is the key's claim (the record's row in
+/// the open transaction), COMPLETED its committed record with the stored response. So the move is atomic where the record's claim is.
 pub trait TokenBook: Send + Sync + 'static {
     /// Issues a fresh, unguessable token to `client`, valid for `ttl`.
     fn issue(&self, client: String, ttl: Duration) -> BoxFuture<Result<String, StoreError>>;

@@ -12,8 +12,8 @@ use crate::token::Token;
 pub struct FlagTicket {
     pub(crate) key: BusinessKey,
     pub(crate) fingerprint: Fingerprint,
-    /// The claim's token; `None` when the delivery went on without holding the claim (with
-    /// a record behind: the key was certainly new, or in flight elsewhere).
+    /// The claim's token; `None` when the delivery went on without a claim (a flag with a
+    /// record behind claims nothing).
     claim: Option<Token>,
 }
 
@@ -42,16 +42,58 @@ impl FlagTicket {
     }
 }
 
+/// What the flag asks its store for one envelope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FlagAsk {
+    /// Nothing: a record behind, and a pre-filter found the key certainly new.
+    Skip,
+    /// Whether the key is done, claiming nothing: a record behind serialises the copies.
+    Look,
+    /// A claim of the key under this token: the flag is the only tier holding copies back.
+    Claim(Token),
+}
+
+impl FlagAsk {
+    /// What the flag found, from the marker its store had (`None`: no marker; a claim that
+    /// won found none).
+    pub(crate) fn found(self, marker: Option<Claim>) -> Found {
+        match (self, marker) {
+            (FlagAsk::Skip, _) => Found::Nothing,
+            (_, Some(Claim::Done(fingerprint))) => Found::Done(fingerprint),
+            // A flag that claims nothing goes on past another copy's claim.
+            (FlagAsk::Look, Some(Claim::InFlight | Claim::Won) | None) => Found::Nothing,
+            (FlagAsk::Claim(token), None | Some(Claim::Won)) => Found::Claimed(token),
+            (FlagAsk::Claim(_), Some(Claim::InFlight)) => Found::InFlight,
+        }
+    }
+}
+
+/// What the flag found for one envelope, as it decides on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// Nothing that stops the delivery, and no claim held.
+    Nothing,
+    /// The claim under this token won.
+    Claimed(Token),
+    /// Another claim of the key is in flight.
+    InFlight,
+    /// The key is done with this fingerprint.
+    Done(Fingerprint),
+}
+
 impl<St> FlagLayer<St> {
-    /// The token to claim `envelope`'s key with; `None` when the delivery goes on without a
-    /// claim (a record behind, and a pre-filter found the key certainly new).
-    pub(crate) fn claim_token(&self, envelope: &Envelope) -> Option<Token> {
-        (!(self.record_behind && envelope.is_certainly_new())).then(Token::random)
+    /// What to ask the store for `envelope`'s key: with a record behind, a look (nothing,
+    /// when a pre-filter found the key certainly new); alone, a claim under a new token.
+    pub(crate) fn ask(&self, envelope: &Envelope) -> FlagAsk {
+        match (self.record_behind, envelope.is_certainly_new()) {
+            (true, true) => FlagAsk::Skip,
+            (true, false) => FlagAsk::Look,
+            (false, _) => FlagAsk::Claim(Token::random()),
+        }
     }
 
-    /// What the flag decides for `envelope` when its claim under a token found a claim
-    /// (`None`: no claim was made, see [`claim_token`](Self::claim_token)).
-    pub(crate) fn decide(&self, envelope: &Envelope, claimed: Option<(Token, Claim)>) -> Enter<FlagTicket> {
+    /// What the flag decides for `envelope` on what it `found`.
+    pub(crate) fn decide(&self, envelope: &Envelope, found: Found) -> Enter<FlagTicket> {
         let (key, fingerprint) = (envelope.key().clone(), envelope.fingerprint());
         let proceed = |claim| {
             Enter::Proceed(FlagTicket {
@@ -60,25 +102,15 @@ impl<St> FlagLayer<St> {
                 claim,
             })
         };
-        let Some((token, claim)) = claimed else {
-            return proceed(None);
-        };
-        match claim {
-            Claim::Won => proceed(Some(token)),
-            // The record behind serialises the copies; the marker may be a dead consumer's.
-            Claim::InFlight if self.record_behind => proceed(None),
-            Claim::InFlight => Enter::Stop(in_flight(Tier::Flag, envelope.key(), self.in_flight_delay)),
-            Claim::Done(done) if fingerprint.matches(done) => {
+        match found {
+            Found::Nothing => proceed(None),
+            Found::Claimed(token) => proceed(Some(token)),
+            Found::InFlight => Enter::Stop(in_flight(Tier::Flag, envelope.key(), self.in_flight_delay)),
+            Found::Done(done) if fingerprint.matches(done) => {
                 Enter::Stop(Outcome::Duplicate { tier: Tier::Flag })
             }
-            Claim::Done(done) => Enter::Stop(payload_mismatch(envelope.key(), done, fingerprint)),
+            Found::Done(done) => Enter::Stop(payload_mismatch(envelope.key(), done, fingerprint)),
         }
-    }
-
-    /// Whether a claim that finds the key in flight stops the delivery (no record behind).
-    #[cfg(feature = "redis")]
-    pub(crate) fn in_flight_stops(&self) -> bool {
-        !self.record_behind
     }
 
     /// Logs how `update` of `key` went: a failed update costs speed, never correctness.
@@ -88,11 +120,6 @@ impl<St> FlagLayer<St> {
         // the next duplicate on to the durable tier behind. So the outcome stands.
         match updated {
             Ok(true) => {}
-            // With a record behind, a copy that went on without the claim may have marked
-            // the key done first: an ordinary race, not a lost lease.
-            Ok(false) if self.record_behind => {
-                tracing::debug!(%key, settled, "flag claim replaced by another copy's done marker")
-            }
             Ok(false) => {
                 tracing::warn!(%key, settled, "flag claim was lost before it was settled (lease ran out?)")
             }
@@ -110,11 +137,13 @@ impl<St: FlagStore> TierDecision for FlagLayer<St> {
     }
 
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<FlagTicket>, StoreError> {
-        let claimed = match self.claim_token(envelope) {
-            Some(token) => Some((token, self.store.claim(envelope.key(), token, self.lease).await?)),
-            None => None,
+        let ask = self.ask(envelope);
+        let marker = match ask {
+            FlagAsk::Skip => None,
+            FlagAsk::Look => self.store.look(envelope.key()).await?.map(Claim::Done),
+            FlagAsk::Claim(token) => Some(self.store.claim(envelope.key(), token, self.lease).await?),
         };
-        Ok(self.decide(envelope, claimed))
+        Ok(self.decide(envelope, ask.found(marker)))
     }
 
     async fn exit(&self, ticket: FlagTicket, outcome: Outcome) -> Result<Outcome, StoreError> {

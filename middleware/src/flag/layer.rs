@@ -37,7 +37,7 @@ impl<St> FlagLayer<St> {
     setters! {
         /// How long an in-flight claim lives if its holder never completes or releases it (the
         /// consumer crashed). Longer than the slowest handler run, or a second delivery gets in
-        /// while the first still works (the record tier behind then catches it).
+        /// while the first still works. Unused with a record behind, which claims nothing.
         with_lease(lease: Duration);
 
         /// Sets the done marker's retention directly instead of deriving it from the window.
@@ -51,26 +51,31 @@ impl<St> FlagLayer<St> {
     }
 
     /// Declares that a durable record stands behind this flag, so the flag is a cache of
-    /// "done" in front of it rather than the key's lock. Two things change:
+    /// "done" in front of it rather than the key's lock: it **claims nothing**. Each delivery
+    /// reads its key's marker (one `GET` on Redis): a done marker answers duplicate (or
+    /// payload mismatch), anything else lets the delivery on to the record, whose claim is
+    /// the atomic one; once the tiers behind settled the key it is marked done (one write).
+    /// Two round trips per delivery either way, but a read and a write cost Redis less than
+    /// a claim and a compare-and-set script (`make bench`'s Redis flag table), and:
     ///
-    /// - **a key in flight does not stop the delivery**: it goes on to the record, whose
-    ///   claim is the atomic one. After a consumer crashes, the copies the broker delivers
-    ///   again find the dead consumer's in-flight markers and would otherwise wait out their
-    ///   lease ([`with_lease`](FlagLayer::with_lease), 30 s by default); with this they go
-    ///   on at once. With the transactional record (`record::PgTransactionalLayer`), which
-    ///   holds no lease (a dead consumer's transaction rolls back with its connection), they
-    ///   are handled at once, and two live copies of a key are serialised by the key's row:
-    ///   the second waits for the first's transaction, holding a pooled connection, then
-    ///   answers duplicate. The three-step record's claim and a lock have leases of their
-    ///   own, which such copies then wait out instead (`InFlight(Record)`, `LockBusy`).
-    /// - an envelope a pre-filter (feature `prefilter`) found certainly new skips the claim:
-    ///   the tiers behind run at once, and once they settled the key it is marked done (one
-    ///   round trip instead of two).
+    /// - **no in-flight marker holds a key back**: after a consumer crashes, the copies the
+    ///   broker delivers again go on at once. With the transactional record
+    ///   (`record::PgTransactionalLayer`), which holds no lease (a dead consumer's
+    ///   transaction rolls back with its connection), they are handled at once, and two live
+    ///   copies of a key are serialised by the key's row: the second waits for the first's
+    ///   transaction, holding a pooled connection, then answers duplicate. The three-step
+    ///   record's claim and a lock have leases of their own, which such copies then wait out
+    ///   instead (`InFlight(Record)`, `LockBusy`);
+    /// - an envelope a pre-filter (feature `prefilter`) found certainly new skips the read:
+    ///   the tiers behind run at once, and the key is marked done after (one round trip).
     ///
     /// "Done" is still remembered only after the tiers behind settled the key, so a marker
     /// never says done for an effect that was not committed. Without a record behind, do not
     /// use this: the flag is then the only key tier, and two copies of a key in flight at
-    /// once would both run.
+    /// once would both run. With a record behind, [`with_lease`](FlagLayer::with_lease) and
+    /// [`with_in_flight_delay`](FlagLayer::with_in_flight_delay) have no use, and the flag's
+    /// keys (its store's prefix) must be its own: a flag without a record behind on the same
+    /// keys finds no claim to stop at.
     pub fn with_record_behind(mut self) -> Self {
         self.record_behind = true;
         self

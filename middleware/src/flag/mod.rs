@@ -6,7 +6,7 @@
 //! | the key's marker | outcome |
 //! |---|---|
 //! | none | claimed: the tiers behind run |
-//! | in flight (another claim's lease is running) | [`RetryLater`](crate::Outcome::RetryLater), never an ack; with a record behind ([`FlagLayer::with_record_behind`]) the tiers behind run, and the record decides |
+//! | in flight (another claim's lease is running) | [`RetryLater`](crate::Outcome::RetryLater), never an ack |
 //! | done, same payload | [`Duplicate`](crate::Outcome::Duplicate) from [`Tier::Flag`](crate::Tier::Flag) |
 //! | done, other payload | [`DeadLetter`](crate::Outcome::DeadLetter): key reused with another payload |
 //!
@@ -25,6 +25,13 @@
 //! durable tier — the [`record`](crate::record) — behind it when an effect must never repeat;
 //! then a lost marker only costs a trip to the record. That is also why the flag fails open
 //! by default when its store is down.
+//!
+//! # With a record behind
+//! Declared with [`FlagLayer::with_record_behind`], the flag claims nothing: the record's
+//! claim is the atomic one. A delivery *looks* at its key's marker (one read): done answers
+//! as above, anything else lets it on to the record, and once the tiers behind settled the
+//! key it is marked done (one write). No in-flight marker is written, so none is left for
+//! a crashed consumer's redeliveries to wait out.
 
 mod decision;
 mod layer;
@@ -36,6 +43,6 @@ pub use crate::store::memory::flag::MemoryFlagStore;
 pub use crate::store::redis::flag::{FlagState, FlagView, RedisFlagStore};
 pub use decision::FlagTicket;
 #[cfg(feature = "redis")]
-pub(crate) use decision::FlagUpdate;
+pub(crate) use decision::{FlagAsk, FlagUpdate, Found};
 pub use layer::FlagLayer;
 pub use store::{Claim, FlagStore};

@@ -23,6 +23,12 @@ pub enum Claim {
 /// claims of one key without a marker, exactly one wins. `complete` and `release` must act
 /// only when the marker still holds the caller's token.
 pub trait FlagStore: Clone + Send + Sync + 'static {
+    /// The fingerprint `key` is done with; `None` when it has no marker or is in flight.
+    /// Reads only: what a flag with a record behind it asks
+    /// ([`FlagLayer::with_record_behind`](crate::flag::FlagLayer::with_record_behind)).
+    fn look(&self, key: &BusinessKey)
+    -> impl Future<Output = Result<Option<Fingerprint>, StoreError>> + Send;
+
     /// Marks `key` in flight under `token` for `lease`, if it has no marker.
     fn claim(
         &self,
@@ -42,10 +48,8 @@ pub trait FlagStore: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Marks `key` "done with `fingerprint`" for `retention` without a claim, replacing any
-    /// marker: for a delivery the durable tier behind has already settled without the flag
-    /// holding the claim (with [`FlagLayer::with_record_behind`](crate::flag::FlagLayer::with_record_behind):
-    /// a pre-filter (feature `prefilter`) found the key certainly new, or another copy held
-    /// the claim).
+    /// marker: for a delivery the durable tier behind has settled, with a flag that claims
+    /// nothing ([`FlagLayer::with_record_behind`](crate::flag::FlagLayer::with_record_behind)).
     fn mark_done(
         &self,
         key: &BusinessKey,

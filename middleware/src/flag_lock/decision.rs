@@ -1,8 +1,9 @@
+use std::future::Future;
 use std::sync::Arc;
 
 use crate::envelope::{BusinessKey, Envelope};
 use crate::error::StoreError;
-use crate::flag::{FlagLayer, FlagTicket, RedisFlagStore};
+use crate::flag::{FlagLayer, FlagTicket, Found, RedisFlagStore};
 use crate::lock::{LockLayer, LockStore, LockTicket, RedisLockStore};
 use crate::outcome::Outcome;
 use crate::store::redis::RedisConnection;
@@ -97,25 +98,25 @@ impl<C: RedisConnection> TierDecision for Joint<C> {
             Ok(entity) => entity,
             Err(dead_letter) => return self.flag_alone(envelope, dead_letter).await,
         };
-        let claim = self.flag.claim_token(envelope);
+        let ask = self.flag.ask(envelope);
         let lock_token = Token::random();
         let found = (self.store)
             .claim_and_acquire(JointClaim {
                 key: envelope.key(),
-                claim,
+                flag: ask,
                 entity: &entity,
                 lock_token,
             })
             .await?;
-        let (found, fence) = match found.claim.transpose() {
-            Ok(claimed) => (claimed, found.fence),
+        let (found, fence) = match found.flag {
+            Ok(flag) => (flag, found.fence),
             Err(malformed) => (
-                None,
+                Found::Nothing,
                 self.without_the_flag(envelope.key(), malformed, &entity, lock_token)
                     .await?,
             ),
         };
-        let flag = match self.flag.decide(envelope, claim.zip(found)) {
+        let flag = match self.flag.decide(envelope, found) {
             Enter::Proceed(flag) => flag,
             Enter::Stop(outcome) => {
                 // The script tries the lock only where the flag lets the delivery on.
@@ -133,12 +134,14 @@ impl<C: RedisConnection> TierDecision for Joint<C> {
         })
     }
 
+    fn keep_alive(&self, ticket: &FlagLockTicket) -> impl Future<Output = ()> + Send {
+        self.lock.renew_while_held(&ticket.lock)
+    }
+
     async fn exit(&self, ticket: FlagLockTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
-        let FlagLockTicket { flag, mut lock } = ticket;
-        lock.stop_watchdog();
-        // Read once: the flag's update and the lock's answer must agree on it, and a
-        // watchdog still finishing its last poll may mark the lease lost in between. The
-        // script settles the flag as for a retry when it finds the lock no longer ours.
+        let FlagLockTicket { flag, lock } = ticket;
+        // The watchdog stopped when the tiers behind answered. The script settles the flag
+        // as for a retry when it finds the lock no longer ours.
         let lost = lock.lease.is_lost();
         let update = flag.update(outcome.is_settled() && !lost);
         let answered = (self.store)

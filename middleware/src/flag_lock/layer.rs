@@ -44,7 +44,6 @@ impl<C: RedisConnection> FlagLockLayer<C> {
     pub fn new(flag: FlagLayer<RedisFlagStore<C>>, lock: LockLayer<RedisLockStore<C>>) -> Self {
         let settings = JointSettings {
             flag_lease: flag.lease,
-            in_flight_stops: flag.in_flight_stops(),
             lock_lease: lock.lease,
             retention: flag.retention,
         };

@@ -7,7 +7,7 @@
 //!
 //! | the two tiers, one after the other | the joint tier |
 //! |---|---|
-//! | flag claim, then lock acquire | one script: the claim; where the flag lets the delivery on, the acquire; where the lock is busy, no claim is left |
+//! | flag claim (with a record behind: look), then lock acquire | one script: the claim or look; where the flag lets the delivery on, the acquire; where the lock is busy, no claim is left |
 //! | lock release, then the flag's complete, release or done marker | one script: the release; the flag's update as the lock's answer makes the outcome (a lost lock is a retry: the claim is released) |
 //!
 //! Outcomes are the two tiers' own (`Duplicate { tier: Flag }`, `InFlight(Flag)`,
@@ -24,10 +24,8 @@
 //!   it; the flag layer leaves it);
 //! - a failed release script loses the flag's update with the lock's release: the claim
 //!   stays in flight until its lease ends, where the two layers might have settled it (with
-//!   a record behind, the copies go on to the record meanwhile);
-//! - the lease is read once, before the release: where the watchdog marks it lost while the
-//!   release is on its way and the release still finds the lock ours, the outcome stands
-//!   (no one else held the lock); the two layers, reading it after, would retry;
+//!   a record behind there is no claim, and the key is not marked done: its copies go on to
+//!   the record);
 //! - metrics and logs name the tier `flag_lock`;
 //! - a lock found busy never leaves a claim behind, even for an instant: the two tiers claim,
 //!   then release.

@@ -1,6 +1,5 @@
-use std::time::Duration;
+use std::future::Future;
 
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::layer::LockLayer;
@@ -13,15 +12,14 @@ use crate::outcome::{Outcome, RetryReason};
 use crate::tier::{Enter, FailurePolicy, Tier, TierDecision};
 use crate::token::Token;
 
-/// What the lock tier holds for one envelope: the lock, and the watchdog renewing its
-/// lease. Dropped without being settled (the stack's future was dropped), the watchdog
-/// stops and the lock expires with its lease.
+/// What the lock tier holds for one envelope: the lock and its lease, which the watchdog
+/// renews while the tiers behind run ([`TierDecision::keep_alive`]). Dropped without being
+/// settled (the stack's future was dropped), the lock expires with its lease.
 #[derive(Debug)]
 pub struct LockTicket {
     pub(crate) entity: String,
     pub(crate) token: Token,
     pub(crate) lease: LockLease,
-    watchdog: AbortOnDrop,
 }
 
 impl<St: LockStore> LockLayer<St> {
@@ -46,7 +44,7 @@ impl<St: LockStore> LockLayer<St> {
     }
 
     /// The ticket of `entity`'s lock, acquired under `token` with `fencing_token`: hands the
-    /// lease to the tiers behind and starts its watchdog.
+    /// lease to the tiers behind.
     pub(crate) fn hold(
         &self,
         envelope: &mut Envelope,
@@ -56,30 +54,45 @@ impl<St: LockStore> LockLayer<St> {
     ) -> LockTicket {
         let lease = LockLease::new(fencing_token);
         envelope.extensions_mut().insert(lease.clone());
-        let watchdog = AbortOnDrop(tokio::spawn(keep_alive(
-            self.store.clone(),
-            entity.clone(),
-            token,
-            self.lease,
-            self.renew_every,
-            lease.clone(),
-        )));
-        LockTicket {
-            entity,
-            token,
-            lease,
-            watchdog,
+        LockTicket { entity, token, lease }
+    }
+
+    /// The watchdog: renews `ticket`'s lease every `renew_every` until dropped (the tiers
+    /// behind answered, so the lock is about to be released). Ends when it marks the lease
+    /// lost: when the store says the lock is no longer ours, or when renewals kept failing
+    /// until the lease could have run out.
+    ///
+    /// It runs in the delivery's own task, beside the tiers behind, rather than in a task
+    /// of its own, which would cost a spawn, a wake-up and an abort per delivery. So a
+    /// handler that blocks its thread without awaiting stalls its renewals with it.
+    pub(crate) async fn renew_while_held(&self, ticket: &LockTicket) {
+        let LockTicket { entity, token, lease } = ticket;
+        let mut valid_until = Instant::now() + self.lease;
+        loop {
+            tokio::time::sleep(self.renew_every).await;
+            // Time the renewal from before it is sent: the store starts the new lease
+            // somewhere after this instant, so this bound never overstates how long we hold
+            // the lock.
+            let sent = Instant::now();
+            match self.store.renew(entity, *token, self.lease).await {
+                Ok(true) => valid_until = sent + self.lease,
+                Ok(false) => {
+                    tracing::warn!(%entity, "lock lease lost: the lock is no longer ours");
+                    lease.mark_lost();
+                    return;
+                }
+                Err(error) if Instant::now() + self.renew_every >= valid_until => {
+                    tracing::warn!(%entity, %error, "lock lease lost: renewals failed until the lease ran out");
+                    lease.mark_lost();
+                    return;
+                }
+                Err(error) => tracing::warn!(%entity, %error, "lock renewal failed; retrying"),
+            }
         }
     }
 }
 
 impl LockTicket {
-    /// Stops the watchdog before the lock is released, so that it neither renews nor reports
-    /// lost a lock being released.
-    pub(crate) fn stop_watchdog(&mut self) {
-        self.watchdog.0.abort();
-    }
-
     /// The tiers' `outcome` once the release answered `released` (whether the lock was
     /// still ours), `lost` telling whether the watchdog found the lease lost: a retry when
     /// the lease was lost, whatever the tiers behind answered.
@@ -122,53 +135,13 @@ impl<St: LockStore> TierDecision for LockLayer<St> {
         })
     }
 
-    async fn exit(&self, mut ticket: LockTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
-        ticket.stop_watchdog();
+    fn keep_alive(&self, ticket: &LockTicket) -> impl Future<Output = ()> + Send {
+        self.renew_while_held(ticket)
+    }
+
+    async fn exit(&self, ticket: LockTicket, outcome: Outcome) -> Result<Outcome, StoreError> {
         let released = self.store.release(&ticket.entity, ticket.token).await;
         let lost = ticket.lease.is_lost();
         Ok(ticket.settle(lost, released.as_ref().copied(), outcome))
-    }
-}
-
-/// Renews the lease every `every` until aborted. Marks the lease lost when the store says the
-/// lock is no longer ours, or when renewals keep failing until the lease could have run out.
-async fn keep_alive<St: LockStore>(
-    store: St,
-    entity: String,
-    token: Token,
-    lease_length: Duration,
-    every: Duration,
-    lease: LockLease,
-) {
-    let mut valid_until = Instant::now() + lease_length;
-    loop {
-        tokio::time::sleep(every).await;
-        // Time the renewal from before it is sent: the store starts the new lease somewhere
-        // after this instant, so this bound never overstates how long we hold the lock.
-        let sent = Instant::now();
-        match store.renew(&entity, token, lease_length).await {
-            Ok(true) => valid_until = sent + lease_length,
-            Ok(false) => {
-                tracing::warn!(%entity, "lock lease lost: the lock is no longer ours");
-                lease.mark_lost();
-                return;
-            }
-            Err(error) if Instant::now() + every >= valid_until => {
-                tracing::warn!(%entity, %error, "lock lease lost: renewals failed until the lease ran out");
-                lease.mark_lost();
-                return;
-            }
-            Err(error) => tracing::warn!(%entity, %error, "lock renewal failed; retrying"),
-        }
-    }
-}
-
-/// The watchdog's task, stopped when the ticket goes.
-#[derive(Debug)]
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

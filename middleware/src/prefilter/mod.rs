@@ -7,7 +7,7 @@
 //! certainly new envelope is marked ([`Envelope::is_certainly_new`](crate::Envelope::is_certainly_new)),
 //! and the tiers behind that support it skip their lookups: a [flag](crate::flag) configured with
 //! [`with_record_behind`](crate::flag::FlagLayer::with_record_behind)
-//! skips its Redis claim and only marks the key done afterwards. The durable tier's atomic
+//! skips its Redis read and only marks the key done afterwards. The durable tier's atomic
 //! claim (the [record](crate::record)) always runs: it stays the final word, so two copies
 //! of a new key that both look certainly new are still told apart there. "Maybe seen" goes
 //! through every tier.

@@ -63,6 +63,26 @@ pub async fn a_key_marked_done_without_a_claim_is_done<S: FlagStore>(store: S) {
     );
 }
 
+/// A look answers only a done marker, and changes nothing: a key without a marker or in
+/// flight answers `None`, and can still be claimed, or completed by its claim's holder.
+pub async fn a_look_sees_only_done_and_takes_nothing<S: FlagStore>(store: S) {
+    let (key, token, fingerprint) = (key("flag-look"), Token::random(), Fingerprint::of(b"payload"));
+    assert_eq!(store.look(&key).await.unwrap(), None);
+    assert_eq!(
+        store.claim(&key, token, LEASE).await.unwrap(),
+        Claim::Won,
+        "a look claims nothing"
+    );
+    assert_eq!(store.look(&key).await.unwrap(), None, "in flight is not done");
+    assert!(store.complete(&key, token, fingerprint, RETENTION).await.unwrap());
+    assert_eq!(store.look(&key).await.unwrap(), Some(fingerprint));
+    store
+        .mark_done(&key, Fingerprint::of(b"other"), RETENTION)
+        .await
+        .unwrap();
+    assert_eq!(store.look(&key).await.unwrap(), Some(Fingerprint::of(b"other")));
+}
+
 /// A released claim lets the next claim win.
 pub async fn a_released_claim_can_be_claimed_again<S: FlagStore>(store: S) {
     let (key, token) = (key("flag-release"), Token::random());

@@ -51,7 +51,7 @@ pub fn unique(name: &str) -> String {
 #[macro_export]
 macro_rules! store_suite {
     (flag, $($how:tt)*) => {
-        $crate::__store_suite!(flag, ($($how)*), [one_of_many_concurrent_claims_wins, a_completed_claim_is_done_with_its_fingerprint, a_key_marked_done_without_a_claim_is_done, a_released_claim_can_be_claimed_again, complete_and_release_refuse_a_wrong_token, an_expired_lease_lets_a_new_claim_in, a_done_marker_expires_with_its_retention]);
+        $crate::__store_suite!(flag, ($($how)*), [one_of_many_concurrent_claims_wins, a_completed_claim_is_done_with_its_fingerprint, a_key_marked_done_without_a_claim_is_done, a_look_sees_only_done_and_takes_nothing, a_released_claim_can_be_claimed_again, complete_and_release_refuse_a_wrong_token, an_expired_lease_lets_a_new_claim_in, a_done_marker_expires_with_its_retention]);
     };
     (lock, $($how:tt)*) => {
         $crate::__store_suite!(lock, ($($how)*), [one_of_many_concurrent_acquisitions_wins, one_of_many_concurrent_acquisitions_of_a_released_entity_wins, fencing_tokens_grow, renew_and_release_refuse_a_wrong_token, renewal_extends_the_lease_and_expiry_frees_it]);

@@ -39,8 +39,8 @@ pub enum Enter<T> {
 /// in front or a shutdown, or a tier behind panicked — must leave nothing that blocks the
 /// key for longer than its lease: its `Drop` is the only cleanup that runs then.
 pub trait TierDecision: Send + Sync + 'static {
-    /// What `enter` hands to `exit` for one envelope: a claim's token, a lock's watchdog,
-    /// an open transaction.
+    /// What `enter` hands to `exit` for one envelope: a claim's token, a lock's lease, an
+    /// open transaction.
     type Ticket: Send + 'static;
 
     /// The tier, for outcomes, metrics and logs.
@@ -58,6 +58,15 @@ pub trait TierDecision: Send + Sync + 'static {
         &self,
         envelope: &mut Envelope,
     ) -> impl Future<Output = Result<Enter<Self::Ticket>, StoreError>> + Send;
+
+    /// Runs beside the tiers behind, in the delivery's own task, while they run for
+    /// `ticket`, and is dropped when they answer, before [`exit`](TierDecision::exit): what
+    /// keeps the ticket's hold alive, such as the lock's watchdog renewing its lease.
+    /// Ending early only stops it; the tiers behind run on. Nothing by default.
+    fn keep_alive(&self, ticket: &Self::Ticket) -> impl Future<Output = ()> + Send {
+        let _ = ticket;
+        std::future::pending()
+    }
 
     /// Settles `ticket` by the tiers' `outcome` and answers the tier's outcome (usually
     /// `outcome` itself). A store error becomes a retry

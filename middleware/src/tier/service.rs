@@ -153,10 +153,20 @@ where
         }
     };
     probe.passed();
-    let outcome = behind(inner, envelope).await;
+    let outcome = beside(behind(inner, envelope), decision.keep_alive(&ticket)).await;
     match decision.exit(ticket, outcome).await {
         Ok(outcome) => outcome,
         Err(error) => store_unavailable(D::TIER, &error),
+    }
+}
+
+/// `behind`'s outcome, with `keep_alive` running beside it until either ends.
+async fn beside(behind: impl Future<Output = Outcome>, keep_alive: impl Future<Output = ()>) -> Outcome {
+    let mut behind = std::pin::pin!(behind);
+    tokio::select! {
+        biased;
+        outcome = &mut behind => outcome,
+        () = keep_alive => behind.await,
     }
 }
 

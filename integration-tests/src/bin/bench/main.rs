@@ -25,7 +25,7 @@
 //!   oncely-http's layer (flag + transactional record + stored response) next to the same
 //!   endpoint without it;
 //! - `prefilter` ([`prefilter`]): at 1 %, 10 % and 50 % duplicates, how many envelopes make
-//!   a Redis claim and reach PostgreSQL with and without a Bloom pre-filter, and messages
+//!   a Redis read and reach PostgreSQL with and without a Bloom pre-filter, and messages
 //!   per second.
 //!
 //! Each adds its table and its targets to a [`report::Report`], which renders

@@ -1,6 +1,6 @@
-//! `prefilter`: at 1 %, 10 % and 50 % duplicates, how many envelopes make a Redis claim and
+//! `prefilter`: at 1 %, 10 % and 50 % duplicates, how many envelopes make a Redis read and
 //! reach PostgreSQL with and without a Bloom pre-filter in front of the flag (which then
-//! skips its claim for certainly new keys), and the messages per second through the whole
+//! skips its read for certainly new keys), and the messages per second through the whole
 //! stack, in process.
 
 use std::fmt::Write as _;
@@ -56,10 +56,10 @@ impl Filter {
 /// Where one measurement's envelopes went.
 struct Measured {
     per_second: f64,
-    /// Envelopes the pre-filter answered "certainly new" (they skipped the Redis claim).
+    /// Envelopes the pre-filter answered "certainly new" (they skipped the Redis read).
     certainly_new: u64,
-    /// Envelopes that made a Redis claim.
-    claims: u64,
+    /// Envelopes that made a Redis read (the flag's look).
+    reads: u64,
     /// Envelopes that reached the PostgreSQL record.
     postgres: u64,
 }
@@ -88,7 +88,7 @@ pub(crate) async fn run(report: &mut Report) {
         .await;
     let mut rows = Vec::new();
     let mut reach = String::from(
-        "| duplicates | pre-filter | certainly new | Redis claims | reach PostgreSQL | messages/s |\n|---:|---|---:|---:|---:|---:|\n",
+        "| duplicates | pre-filter | certainly new | Redis reads | reach PostgreSQL | messages/s |\n|---:|---|---:|---:|---:|---:|\n",
     );
     for percent in DUPLICATE_PERCENTS {
         let mut without = 0.0;
@@ -99,7 +99,7 @@ pub(crate) async fn run(report: &mut Report) {
                 "| {percent} % | {} | {} | {} | {} | {:.0} |",
                 filter.name(),
                 measured.certainly_new,
-                measured.claims,
+                measured.reads,
                 measured.postgres,
                 measured.per_second
             );
@@ -122,14 +122,14 @@ pub(crate) async fn run(report: &mut Report) {
         unit: Some("messages"),
         rows,
         note: Some(format!(
-            "Where the envelopes went ({MESSAGES} each run; a certainly new key skips the Redis claim and is marked done with one write after PostgreSQL settled it):\n\n{reach}"
+            "Where the envelopes went ({MESSAGES} each run; a certainly new key skips the Redis read and is marked done with one write after PostgreSQL settled it):\n\n{reach}"
         )),
         plot: Plot::None,
     });
 }
 
 /// [`MESSAGES`] deliveries, `percent` % of them copies, through the Redis flag (skipping its
-/// claim for certainly new keys) and the PostgreSQL record, behind `filter`, on a route of
+/// read for certainly new keys) and the PostgreSQL record, behind `filter`, on a route of
 /// their own whose counts tell where the envelopes went.
 async fn measure(services: &Services, percent: usize, filter: Filter) -> Measured {
     let name = format!(
@@ -174,7 +174,7 @@ async fn measure(services: &Services, percent: usize, filter: Filter) -> Measure
     Measured {
         per_second,
         certainly_new,
-        claims: envelopes("flag") - certainly_new,
+        reads: envelopes("flag") - certainly_new,
         postgres: envelopes("record"),
     }
 }

@@ -33,6 +33,9 @@ enum Operation {
     Claim,
     /// A flag claim, then its completion: two round trips.
     ClaimAndComplete,
+    /// What a flag with the record behind it does instead: a look, then marking done (a
+    /// `GET`, then a `SET PX`).
+    LookAndMarkDone,
     /// A delivery through the flag and the lock as one tier, to a handler that does
     /// nothing: two scripts.
     Joint,
@@ -42,9 +45,10 @@ enum Operation {
 
 impl Operation {
     /// The operations measured against [`Operation::RawSet`], in table order.
-    const MEASURED: [Operation; 4] = [
+    const MEASURED: [Operation; 5] = [
         Operation::Claim,
         Operation::ClaimAndComplete,
+        Operation::LookAndMarkDone,
         Operation::Joint,
         Operation::JointCoalesced,
     ];
@@ -54,6 +58,7 @@ impl Operation {
             Operation::RawSet => "raw `SET NX PX`",
             Operation::Claim => "flag claim (`SET NX GET PX`)",
             Operation::ClaimAndComplete => "flag claim + complete (2 round trips)",
+            Operation::LookAndMarkDone => "flag with the record behind: look + mark done (`GET`, `SET PX`)",
             Operation::Joint => "a delivery through the flag and the lock as one tier (2 scripts)",
             Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 4)`)",
         }
@@ -85,6 +90,11 @@ impl Operation {
                     .complete(&key, token, Fingerprint::of(b"bench"), KEY_TTL)
                     .await
                     .expect("complete");
+            }),
+            Operation::LookAndMarkDone => op(store, |store, i| async move {
+                let key = BusinessKey::new(i.to_string());
+                store.look(&key).await.expect("look");
+                (store.mark_done(&key, Fingerprint::of(b"bench"), KEY_TTL).await).expect("mark done");
             }),
             Operation::Joint => deliveries(joint_route(connection, false)),
             Operation::JointCoalesced => deliveries(joint_route(connection, true)),

@@ -53,6 +53,13 @@ impl MemoryFlagStore {
 }
 
 impl FlagStore for MemoryFlagStore {
+    async fn look(&self, key: &BusinessKey) -> Result<Option<Fingerprint>, StoreError> {
+        Ok(match self.markers.lock().get(key, Instant::now()) {
+            Some(Marker::Done(fingerprint)) => Some(*fingerprint),
+            Some(Marker::InFlight(_)) | None => None,
+        })
+    }
+
     async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, StoreError> {
         let mut markers = self.markers.lock();
         let now = Instant::now();

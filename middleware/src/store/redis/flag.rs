@@ -59,7 +59,9 @@ end
 /// expiry:
 /// - claim is one command, `SET key i:TOKEN NX GET PX lease`: it sets the marker only if
 ///   there is none and returns what was there, so checking and claiming cannot race;
-/// - complete and release are Lua scripts that compare the token first.
+/// - complete and release are Lua scripts that compare the token first;
+/// - look is one `GET`, and mark done one `SET key d:FINGERPRINT PX retention`: a flag with
+///   a record behind it claims nothing, so it costs a read and a write per delivery.
 ///
 /// Markers vanish when Redis loses its data (restart without persistence, `FLUSHALL`,
 /// eviction under `maxmemory`): the flag then lets duplicates through to the tiers behind.
@@ -193,6 +195,17 @@ pub(super) fn parse_marker(marker: &str) -> Result<Claim, StoreError> {
 }
 
 impl<C: RedisConnection> FlagStore for RedisFlagStore<C> {
+    async fn look(&self, key: &BusinessKey) -> Result<Option<Fingerprint>, StoreError> {
+        let marker: Option<String> = redis::cmd("GET")
+            .arg(self.redis_key(key))
+            .query_async(&mut self.connection.clone())
+            .await?;
+        Ok(match marker.as_deref().map(parse_marker).transpose()? {
+            Some(Claim::Done(fingerprint)) => Some(fingerprint),
+            Some(Claim::InFlight | Claim::Won) | None => None,
+        })
+    }
+
     async fn claim(&self, key: &BusinessKey, token: Token, lease: Duration) -> Result<Claim, StoreError> {
         let previous: Option<String> = redis::cmd("SET")
             .arg(self.redis_key(key))

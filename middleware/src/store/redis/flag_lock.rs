@@ -18,26 +18,26 @@ use super::{LUA_COMPARE_AND_DELETE, RedisConnection, millis, tagged_key};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
-use crate::flag::{Claim, FlagUpdate};
+use crate::flag::{FlagAsk, FlagUpdate, Found};
 use crate::token::Token;
 
-/// Lua: `claim_and_acquire(flag, lock, fence, claim, flag_lease, stops, token, lock_lease,
-/// in_flight)` is the flag's claim, then the lock's acquire, as the two tiers would run
-/// them one after the other: `claim` is the in-flight marker ('' to go on without a claim),
-/// `stops` is '1' when a key in flight stops the delivery, `in_flight` the in-flight
-/// marker prefix.
+/// Lua: `claim_and_acquire(flag, lock, fence, ask, flag_lease, token, lock_lease,
+/// in_flight, look)` is the flag's claim or look, then the lock's acquire, as the two tiers
+/// would run them one after the other: `ask` is the in-flight marker to claim the flag
+/// with, `look` ([`LOOK`]) to read it without claiming, or '' to go on without the flag;
+/// `in_flight` is the in-flight marker prefix.
 ///
-/// Answers whether the claim found a marker, the marker, and the fencing token (0 when
-/// the lock was not taken). Where the flag stops the delivery the lock is not tried;
-/// where the lock is busy the claim is not taken, which leaves Redis as the two tiers leave
-/// it once the flag released its claim on the lock's busy answer.
+/// Answers whether the flag found a marker, the marker, and the fencing token (0 when the
+/// lock was not taken). Where the flag stops the delivery the lock is not tried; where the
+/// lock is busy the claim is not taken, which leaves Redis as the two tiers leave it once
+/// the flag released its claim on the lock's busy answer.
 const LUA_CLAIM_AND_ACQUIRE: &str = r"
-local function claim_and_acquire(flag, lock, fence, claim, flag_lease, stops, token, lock_lease, in_flight)
+local function claim_and_acquire(flag, lock, fence, ask, flag_lease, token, lock_lease, in_flight, look)
     local previous = false
-    if claim ~= '' then
+    if ask ~= '' then
         previous = redis.call('GET', flag)
-        local is_in_flight = previous and string.sub(previous, 1, #in_flight) == in_flight
-        if previous and (stops == '1' or not is_in_flight) then
+        local passes = ask == look and previous and string.sub(previous, 1, #in_flight) == in_flight
+        if previous and not passes then
             return {1, previous, 0}
         end
     end
@@ -46,12 +46,16 @@ local function claim_and_acquire(flag, lock, fence, claim, flag_lease, stops, to
     if not fenced then
         return {found, previous or '', 0}
     end
-    if claim ~= '' and not previous then
-        redis.call('SET', flag, claim, 'PX', flag_lease)
+    if ask ~= '' and ask ~= look then
+        redis.call('SET', flag, ask, 'PX', flag_lease)
     end
     return {found, previous or '', fenced}
 end
 ";
+
+/// The `ask` of [`LUA_CLAIM_AND_ACQUIRE`] that reads the flag without claiming it: no
+/// in-flight marker starts with it.
+const LOOK: &str = "?";
 
 /// Lua: `release_and_settle(flag, lock, token, update, claim, done, retention)` is the
 /// lock's release, then the flag's `settle` as if the lock was still held.
@@ -72,9 +76,8 @@ end
 ";
 
 /// Claim and acquire for each delivery. KEYS, per delivery: the flag, the lock, the fencing
-/// counter. ARGV: the flag's lease, '1' when a key in flight stops the delivery, the lock's
-/// lease, the in-flight marker prefix; then per delivery: the claim's marker, the lock's
-/// token.
+/// counter. ARGV: the flag's lease, the lock's lease, the in-flight marker prefix, [`LOOK`];
+/// then per delivery: the flag's ask, the lock's token.
 static CLAIM_AND_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     per_delivery_script(
         &[LUA_ACQUIRE, LUA_CLAIM_AND_ACQUIRE],
@@ -82,7 +85,7 @@ static CLAIM_AND_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
         4,
         2,
         "claim_and_acquire, KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], \
-         ARGV[a + 1], ARGV[1], ARGV[2], ARGV[a + 2], ARGV[3], ARGV[4]",
+         ARGV[a + 1], ARGV[1], ARGV[a + 2], ARGV[2], ARGV[3], ARGV[4]",
     )
 });
 
@@ -110,8 +113,8 @@ static RELEASE_AND_SETTLE: LazyLock<Script> = LazyLock::new(|| {
 pub(crate) struct JointClaim<'a> {
     /// The business key whose marker the flag reads.
     pub(crate) key: &'a BusinessKey,
-    /// The claim's token; `None` to go on without a claim.
-    pub(crate) claim: Option<Token>,
+    /// What the flag asks.
+    pub(crate) flag: FlagAsk,
     /// The entity to lock and the lock's token.
     pub(crate) entity: &'a str,
     pub(crate) lock_token: Token,
@@ -120,9 +123,8 @@ pub(crate) struct JointClaim<'a> {
 /// What [`RedisFlagLock::claim_and_acquire`] found.
 #[derive(Debug)]
 pub(crate) struct JointFound {
-    /// The marker the claim found, as the claim would answer; `None` when no claim was
-    /// asked, an error when the marker is not one oncely writes.
-    pub(crate) claim: Option<Result<Claim, StoreError>>,
+    /// What the flag found; an error when the marker is not one oncely writes.
+    pub(crate) flag: Result<Found, StoreError>,
     /// The fencing token, when the lock was taken: not when it is busy, nor when the flag
     /// stopped the delivery or found a marker it cannot read.
     pub(crate) fence: Option<u64>,
@@ -133,8 +135,6 @@ pub(crate) struct JointFound {
 pub(crate) struct JointSettings {
     /// The flag claim's lease.
     pub(crate) flag_lease: Duration,
-    /// Whether a key in flight stops the delivery (no record behind the flag).
-    pub(crate) in_flight_stops: bool,
     /// The lock's lease.
     pub(crate) lock_lease: Duration,
     /// How long the flag's done marker stays.
@@ -146,7 +146,7 @@ struct ClaimArgs {
     flag: String,
     lock: String,
     fence: String,
-    claim: String,
+    ask: String,
     lock_token: String,
 }
 
@@ -184,9 +184,9 @@ impl Step for Claims {
         let settings = &self.0;
         invocation
             .arg(millis(settings.flag_lease))
-            .arg(if settings.in_flight_stops { "1" } else { "0" })
             .arg(millis(settings.lock_lease))
-            .arg(IN_FLIGHT);
+            .arg(IN_FLIGHT)
+            .arg(LOOK);
     }
 
     fn add(&self, invocation: &mut ScriptInvocation<'_>, delivery: &ClaimArgs) {
@@ -194,7 +194,7 @@ impl Step for Claims {
             .key(&delivery.flag)
             .key(&delivery.lock)
             .key(&delivery.fence)
-            .arg(&delivery.claim)
+            .arg(&delivery.ask)
             .arg(&delivery.lock_token);
     }
 }
@@ -294,24 +294,24 @@ impl<C: RedisConnection> RedisFlagLock<C> {
         self.fuses.get_or_try_init(ask).await.copied()
     }
 
-    /// The claim, if one is asked, and the lock's acquire where the flag lets the delivery
-    /// on.
+    /// The flag's claim or look, as asked, and the lock's acquire where the flag lets the
+    /// delivery on.
     pub(crate) async fn claim_and_acquire(&self, ask: JointClaim<'_>) -> Result<JointFound, StoreError> {
         let args = ClaimArgs {
             flag: self.flags.redis_key(ask.key),
             lock: self.locks.redis_key(ask.entity),
             fence: self.locks.fence_key(ask.entity),
-            claim: ask.claim.map(in_flight_marker).unwrap_or_default(),
+            ask: match ask.flag {
+                FlagAsk::Skip => String::new(),
+                FlagAsk::Look => LOOK.to_owned(),
+                FlagAsk::Claim(token) => in_flight_marker(token),
+            },
             lock_token: ask.lock_token.to_string(),
         };
         let (found, previous, fence) = self.claims.run(args).await?;
-        let claim = match (ask.claim, found) {
-            (None, _) => None,
-            (Some(_), false) => Some(Ok(Claim::Won)),
-            (Some(_), true) => Some(parse_marker(&previous)),
-        };
+        let marker = found.then(|| parse_marker(&previous)).transpose();
         Ok(JointFound {
-            claim,
+            flag: marker.map(|marker| ask.flag.found(marker)),
             fence: (fence != 0).then_some(fence),
         })
     }
