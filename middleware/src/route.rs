@@ -253,7 +253,8 @@ where
         };
         let mut stack = self.stack.clone();
         // A panic unwinds out of the stack's future, dropping it: every tier's guards run
-        // (the record's connection is discarded, the lock's watchdog stops), and the
+        // (the record's connection is discarded, the lock's watchdog stops and the lock
+        // expires with its lease), and the
         // delivery is answered like any other failure instead of taking down the consumer
         // task with its unacked message.
         let answer = AssertUnwindSafe(async move {

@@ -89,6 +89,34 @@ async fn a_dropped_delivery_stops_renewing_and_its_lock_expires_with_its_lease()
     );
 }
 
+/// A handler whose I/O is always ready spends its task's Tokio budget on every turn; the
+/// watchdog, in the same task, still renews the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_always_ready_does_not_starve_the_watchdog() {
+    let store = MemoryLockStore::new();
+    let busy = handler_fn(|_: Envelope| async {
+        let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+        sender.send(()).unwrap();
+        let started = tokio::time::Instant::now();
+        while started.elapsed() < Duration::from_millis(1_500) {
+            receiver.recv().await;
+            sender.send(()).unwrap();
+        }
+        Ok::<(), HandlerError>(())
+    });
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store.clone(), sku()).with_lease(Duration::from_millis(300)))
+        .service(busy);
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let running = tokio::spawn(async move { route.handle(order("o-1", "sku-1")).await });
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let intruder = store
+        .acquire("sku-1", Token::random(), Duration::from_secs(1))
+        .await;
+    assert_eq!(intruder.unwrap(), None, "renewed past three leases");
+    assert_eq!(running.await.unwrap(), Outcome::Processed);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_lost_lease_tells_the_handler_and_is_never_acked() {
     let store = MemoryLockStore::new();

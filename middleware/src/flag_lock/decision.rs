@@ -1,6 +1,8 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use tokio::time::Instant;
+
 use crate::envelope::{BusinessKey, Envelope};
 use crate::error::StoreError;
 use crate::flag::{FlagLayer, FlagTicket, Found, RedisFlagStore};
@@ -99,7 +101,7 @@ impl<C: RedisConnection> TierDecision for Joint<C> {
             Err(dead_letter) => return self.flag_alone(envelope, dead_letter).await,
         };
         let ask = self.flag.ask(envelope);
-        let lock_token = Token::random();
+        let (lock_token, asked_at) = (Token::random(), Instant::now());
         let found = (self.store)
             .claim_and_acquire(JointClaim {
                 key: envelope.key(),
@@ -128,7 +130,7 @@ impl<C: RedisConnection> TierDecision for Joint<C> {
         Ok(match fence {
             Some(fence) => Enter::Proceed(FlagLockTicket {
                 flag,
-                lock: self.lock.hold(envelope, entity, lock_token, fence),
+                lock: self.lock.hold(envelope, entity, (lock_token, asked_at), fence),
             }),
             None => Enter::Stop(self.lock.busy(&entity)),
         })

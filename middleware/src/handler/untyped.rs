@@ -21,7 +21,8 @@ use crate::tier::BoxFuture;
 ///
 /// A handler that panics does not take the consumer down: [`Route::handle`](crate::Route::handle)
 /// catches the panic, the stack's future is dropped (the transactional record's transaction
-/// rolls back with its connection, a lock's watchdog stops), and the delivery is retried
+/// rolls back with its connection, a lock's watchdog stops and the lock expires with its
+/// lease), and the delivery is retried
 /// ([`RetryReason::HandlerPanicked`](crate::RetryReason::HandlerPanicked)); at the route's
 /// maximum attempts (or its [panic limit](crate::Route::with_max_panic_attempts)) it is
 /// dead-lettered as `attempts_exhausted` with the panic's message. A

@@ -20,6 +20,8 @@ pub struct LockTicket {
     pub(crate) entity: String,
     pub(crate) token: Token,
     pub(crate) lease: LockLease,
+    /// When the acquire was sent: the lease started somewhere after.
+    asked_at: Instant,
 }
 
 impl<St: LockStore> LockLayer<St> {
@@ -43,18 +45,23 @@ impl<St: LockStore> LockLayer<St> {
         )
     }
 
-    /// The ticket of `entity`'s lock, acquired under `token` with `fencing_token`: hands the
-    /// lease to the tiers behind.
+    /// The ticket of `entity`'s lock, acquired under `token` with `fencing_token` by an
+    /// acquire sent at `asked_at`: hands the lease to the tiers behind.
     pub(crate) fn hold(
         &self,
         envelope: &mut Envelope,
         entity: String,
-        token: Token,
+        (token, asked_at): (Token, Instant),
         fencing_token: u64,
     ) -> LockTicket {
         let lease = LockLease::new(fencing_token);
         envelope.extensions_mut().insert(lease.clone());
-        LockTicket { entity, token, lease }
+        LockTicket {
+            entity,
+            token,
+            lease,
+            asked_at,
+        }
     }
 
     /// The watchdog: renews `ticket`'s lease every `renew_every` until dropped (the tiers
@@ -62,14 +69,22 @@ impl<St: LockStore> LockLayer<St> {
     /// lost: when the store says the lock is no longer ours, or when renewals kept failing
     /// until the lease could have run out.
     ///
-    /// It runs in the delivery's own task, beside the tiers behind, rather than in a task
-    /// of its own, which would cost a spawn, a wake-up and an abort per delivery. So a
+    /// It runs in the task that runs the delivery, beside the tiers behind, rather than in a
+    /// task of its own, which would cost a spawn, a wake-up and an abort per delivery. So a
     /// handler that blocks its thread without awaiting stalls its renewals with it.
     pub(crate) async fn renew_while_held(&self, ticket: &LockTicket) {
-        let LockTicket { entity, token, lease } = ticket;
-        let mut valid_until = Instant::now() + self.lease;
+        let LockTicket {
+            entity,
+            token,
+            lease,
+            asked_at,
+        } = ticket;
+        // Counted from before the acquire was sent, as each renewal is from before it is
+        // sent: the bound never overstates how long we hold the lock.
+        let mut valid_until = *asked_at + self.lease;
+        let mut next = *asked_at + self.renew_every;
         loop {
-            tokio::time::sleep(self.renew_every).await;
+            tokio::time::sleep_until(next).await;
             // Time the renewal from before it is sent: the store starts the new lease
             // somewhere after this instant, so this bound never overstates how long we hold
             // the lock.
@@ -88,6 +103,7 @@ impl<St: LockStore> LockLayer<St> {
                 }
                 Err(error) => tracing::warn!(%entity, %error, "lock renewal failed; retrying"),
             }
+            next = Instant::now() + self.renew_every;
         }
     }
 }
@@ -128,9 +144,11 @@ impl<St: LockStore> TierDecision for LockLayer<St> {
             Ok(entity) => entity,
             Err(dead_letter) => return Ok(Enter::Stop(dead_letter)),
         };
-        let token = Token::random();
+        let (token, asked_at) = (Token::random(), Instant::now());
         Ok(match self.store.acquire(&entity, token, self.lease).await? {
-            Some(fencing_token) => Enter::Proceed(self.hold(envelope, entity, token, fencing_token)),
+            Some(fencing_token) => {
+                Enter::Proceed(self.hold(envelope, entity, (token, asked_at), fencing_token))
+            }
             None => Enter::Stop(self.busy(&entity)),
         })
     }

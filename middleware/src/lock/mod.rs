@@ -22,8 +22,9 @@
 //! other are for the flag and record tiers. Handlers writing to a store that can compare the
 //! fencing token reject a stale holder's late writes even after a lost lease.
 //!
-//! The watchdog runs in the delivery's own task, beside the tiers behind (a task of its own
-//! would cost a spawn, a wake-up and an abort per delivery): a handler that blocks its
+//! The watchdog runs in the task that runs the delivery (its own; on RocketMQ's listener,
+//! its batch's), beside the tiers behind and polled before them at each turn (a task of its
+//! own would cost a spawn, a wake-up and an abort per delivery): a handler that blocks its
 //! thread without awaiting — CPU-bound or blocking work belongs in
 //! `tokio::task::spawn_blocking` — stalls its renewals with it, and past the lease the lock
 //! is lost. If the future running a delivery is dropped, the watchdog stops with it and the

@@ -59,10 +59,11 @@ pub trait TierDecision: Send + Sync + 'static {
         envelope: &mut Envelope,
     ) -> impl Future<Output = Result<Enter<Self::Ticket>, StoreError>> + Send;
 
-    /// Runs beside the tiers behind, in the delivery's own task, while they run for
-    /// `ticket`, and is dropped when they answer, before [`exit`](TierDecision::exit): what
-    /// keeps the ticket's hold alive, such as the lock's watchdog renewing its lease.
-    /// Ending early only stops it; the tiers behind run on. Nothing by default.
+    /// Runs beside the tiers behind, in the task running the delivery (its own, or its
+    /// batch's), while they run for `ticket`, and is dropped when they answer, before
+    /// [`exit`](TierDecision::exit): what keeps the ticket's hold alive, such as the lock's
+    /// watchdog renewing its lease. Polled before the tiers behind at each turn; ending early
+    /// only stops it, the tiers behind run on. Nothing by default.
     fn keep_alive(&self, ticket: &Self::Ticket) -> impl Future<Output = ()> + Send {
         let _ = ticket;
         std::future::pending()

@@ -161,12 +161,16 @@ where
 }
 
 /// `behind`'s outcome, with `keep_alive` running beside it until either ends.
+///
+/// `keep_alive` is polled first: were the tiers behind polled first, a handler whose I/O is
+/// always ready would spend the task's Tokio budget on every turn, and the watchdog's
+/// timer, which draws on the same budget, would never fire.
 async fn beside(behind: impl Future<Output = Outcome>, keep_alive: impl Future<Output = ()>) -> Outcome {
     let mut behind = std::pin::pin!(behind);
     tokio::select! {
         biased;
-        outcome = &mut behind => outcome,
         () = keep_alive => behind.await,
+        outcome = &mut behind => outcome,
     }
 }
 
