@@ -7,7 +7,8 @@ use std::time::Duration;
 use common::{Effects, count, handle_concurrently, order};
 use oncely::lock::{LockLayer, LockLease, LockStore, MemoryLockStore};
 use oncely::{
-    DeadLetterReason, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, Token, handler_fn,
+    DeadLetterReason, Envelope, HandlerError, KeyExtractor, Outcome, RetryReason, Route, StoreError, Token,
+    handler_fn,
 };
 use tower::ServiceBuilder;
 
@@ -163,6 +164,40 @@ async fn a_handler_that_ignores_the_lost_lease_still_gets_retry_later() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     store.force_release("sku-1");
     let outcome = running.await.unwrap();
+    assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
+}
+
+/// A lock store that goes silent once the lock is taken: renewals never answer, releases
+/// fail (a Redis that stopped answering, then was unreachable).
+#[derive(Clone)]
+struct SilentAfterAcquire(MemoryLockStore);
+
+impl LockStore for SilentAfterAcquire {
+    async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, StoreError> {
+        self.0.acquire(entity, token, lease).await
+    }
+
+    async fn renew(&self, _: &str, _: Token, _: Duration) -> Result<bool, StoreError> {
+        std::future::pending().await
+    }
+
+    async fn release(&self, _: &str, _: Token) -> Result<bool, StoreError> {
+        Err(StoreError::new("connection refused"))
+    }
+}
+
+/// A renewal that never answers does not keep the lease: once the lease could have run
+/// out, it is lost, so a handler that outlives it is retried rather than acked — even though
+/// the release, failing, cannot tell whether someone else took the lock meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_unanswered_until_the_lease_runs_out_loses_the_lease() {
+    let store = SilentAfterAcquire(MemoryLockStore::new());
+    let effects = Effects::default();
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store, sku()).with_lease(Duration::from_secs(3)))
+        .service(effects.handler(Duration::from_secs(10), 0));
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcome = route.handle(order("o-1", "sku-1")).await;
     assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
 }
 

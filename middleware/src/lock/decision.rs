@@ -66,8 +66,8 @@ impl<St: LockStore> LockLayer<St> {
 
     /// The watchdog: renews `ticket`'s lease every `renew_every` until dropped (the tiers
     /// behind answered, so the lock is about to be released). Ends when it marks the lease
-    /// lost: when the store says the lock is no longer ours, or when renewals kept failing
-    /// until the lease could have run out.
+    /// lost: when the store says the lock is no longer ours, when renewals kept failing
+    /// until the lease could have run out, or when a renewal is still unanswered then.
     ///
     /// It runs in the task that runs the delivery, beside the tiers behind, rather than in a
     /// task of its own, which would cost a spawn, a wake-up and an abort per delivery. So a
@@ -89,7 +89,16 @@ impl<St: LockStore> LockLayer<St> {
             // somewhere after this instant, so this bound never overstates how long we hold
             // the lock.
             let sent = Instant::now();
-            match self.store.renew(entity, *token, self.lease).await {
+            // A renewal still unanswered when the lease may have run out (a store that went
+            // silent) cannot keep the lock any more: waiting for it past that point would
+            // leave the lease unmarked while someone else may take the lock.
+            let renewed = tokio::time::timeout_at(valid_until, self.store.renew(entity, *token, self.lease));
+            let Ok(renewed) = renewed.await else {
+                tracing::warn!(%entity, "lock lease lost: a renewal went unanswered until the lease ran out");
+                lease.mark_lost();
+                return;
+            };
+            match renewed {
                 Ok(true) => valid_until = sent + self.lease,
                 Ok(false) => {
                     tracing::warn!(%entity, "lock lease lost: the lock is no longer ours");

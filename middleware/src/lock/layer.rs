@@ -43,7 +43,8 @@ impl<St> LockLayer<St> {
     setters! {
         /// Sets how often the watchdog renews the lease (default a third of the lease). Renewal
         /// must succeed at least once per lease; a failed renewal is retried at this pace until
-        /// the lease would run out, and then the lease counts as lost.
+        /// the lease would run out, and then the lease counts as lost — as it does when a
+        /// renewal is still unanswered then (a store gone silent).
         with_renew_every(renew_every: Duration);
 
         /// The delay suggested to the broker when the entity is locked by another delivery.
