@@ -519,7 +519,7 @@ pub fn chaos_orders_route(
         RecordMode::PerDelivery => boxed(timeout.layer(flag).layer(lock).service(records)),
         RecordMode::Batched => boxed(
             timeout
-                .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 4))
+                .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
                 .service(records),
         ),
     };

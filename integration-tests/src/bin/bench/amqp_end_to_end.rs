@@ -316,7 +316,7 @@ impl Services {
     {
         let (flag, lock) = self.flag_and_lock().await;
         let stack = ServiceBuilder::new()
-            .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 4))
+            .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
             .service(records);
         Route::new("bench", key(), boxed(stack))
     }

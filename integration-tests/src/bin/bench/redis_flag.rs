@@ -60,7 +60,7 @@ impl Operation {
             Operation::ClaimAndComplete => "flag claim + complete (2 round trips)",
             Operation::LookAndMarkDone => "flag with the record behind: look + mark done (`GET`, `SET PX`)",
             Operation::Joint => "a delivery through the flag and the lock as one tier (2 scripts)",
-            Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 4)`)",
+            Operation::JointCoalesced => "the same, coalesced (`with_coalescing(64, 1)`)",
         }
     }
 
@@ -112,7 +112,7 @@ fn joint_route(connection: &ConnectionManager, coalesced: bool) -> Route<BoxedSt
     );
     let joint = FlagLockLayer::new(flag, lock);
     let joint = if coalesced {
-        joint.with_coalescing(64, 4)
+        joint.with_coalescing(64, 1)
     } else {
         joint
     };

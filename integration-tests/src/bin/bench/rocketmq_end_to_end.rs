@@ -197,7 +197,7 @@ impl Services {
         let flag = FlagLayer::new(flags, std::time::Duration::from_secs(600)).with_record_behind();
         let lock = LockLayer::new(locks, KeyExtractor::json_pointer("/sku"));
         let stack = ServiceBuilder::new()
-            .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 4))
+            .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
             .service(mode.stack(&pool, schema.records(), handler));
         Route::new(
             "bench",
