@@ -167,38 +167,94 @@ async fn a_handler_that_ignores_the_lost_lease_still_gets_retry_later() {
     assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
 }
 
-/// A lock store that goes silent once the lock is taken: renewals never answer, releases
-/// fail (a Redis that stopped answering, then was unreachable).
+/// A lock store whose renewals answer after `renew_delay`, or never (`None`: a Redis that
+/// stopped answering), and whose releases fail when the renewals never answer.
 #[derive(Clone)]
-struct SilentAfterAcquire(MemoryLockStore);
+struct SlowRenewals {
+    store: MemoryLockStore,
+    renew_delay: Option<Duration>,
+}
 
-impl LockStore for SilentAfterAcquire {
+impl LockStore for SlowRenewals {
     async fn acquire(&self, entity: &str, token: Token, lease: Duration) -> Result<Option<u64>, StoreError> {
-        self.0.acquire(entity, token, lease).await
+        self.store.acquire(entity, token, lease).await
     }
 
-    async fn renew(&self, _: &str, _: Token, _: Duration) -> Result<bool, StoreError> {
-        std::future::pending().await
+    async fn renew(&self, entity: &str, token: Token, lease: Duration) -> Result<bool, StoreError> {
+        let Some(delay) = self.renew_delay else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep(delay).await;
+        self.store.renew(entity, token, lease).await
     }
 
-    async fn release(&self, _: &str, _: Token) -> Result<bool, StoreError> {
-        Err(StoreError::new("connection refused"))
+    async fn release(&self, entity: &str, token: Token) -> Result<bool, StoreError> {
+        match self.renew_delay {
+            Some(_) => self.store.release(entity, token).await,
+            None => Err(StoreError::new("connection refused")),
+        }
     }
 }
 
+/// Runs a 10-second handler under a 3-second lease on `store`: the outcome, and when (from
+/// the start) the handler was told its lease was lost, if it was.
+async fn through_a_long_handler(store: SlowRenewals) -> (Outcome, Option<Duration>) {
+    let started = tokio::time::Instant::now();
+    let told = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let handler = handler_fn({
+        let told = told.clone();
+        move |envelope: Envelope| {
+            let lease = envelope.extensions().get::<LockLease>().cloned();
+            let told = told.clone();
+            async move {
+                let lease = lease.expect("the lock hands its lease on");
+                tokio::select! {
+                    () = lease.lost() => *told.lock().unwrap() = Some(started.elapsed()),
+                    () = tokio::time::sleep(Duration::from_secs(10)) => {}
+                }
+                Ok::<(), HandlerError>(())
+            }
+        }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(LockLayer::new(store, sku()).with_lease(Duration::from_secs(3)))
+        .service(handler);
+    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
+    let outcome = route.handle(order("o-1", "sku-1")).await;
+    let told = *told.lock().unwrap();
+    (outcome, told)
+}
+
 /// A renewal that never answers does not keep the lease: once the lease could have run
-/// out, it is lost, so a handler that outlives it is retried rather than acked — even though
+/// out, the handler is told it is lost, and the outcome is a retry rather than an ack —
 /// the release, failing, cannot tell whether someone else took the lock meanwhile.
 #[tokio::test(start_paused = true)]
 async fn a_renewal_unanswered_until_the_lease_runs_out_loses_the_lease() {
-    let store = SilentAfterAcquire(MemoryLockStore::new());
-    let effects = Effects::default();
-    let stack = ServiceBuilder::new()
-        .layer(LockLayer::new(store, sku()).with_lease(Duration::from_secs(3)))
-        .service(effects.handler(Duration::from_secs(10), 0));
-    let route = Route::new("test", KeyExtractor::json_pointer("/orderId"), stack);
-    let outcome = route.handle(order("o-1", "sku-1")).await;
+    let silent = SlowRenewals {
+        store: MemoryLockStore::new(),
+        renew_delay: None,
+    };
+    let (outcome, told) = through_a_long_handler(silent).await;
     assert_eq!(outcome.retry_reason(), Some(RetryReason::LeaseLost));
+    assert_eq!(
+        told,
+        Some(Duration::from_secs(3)),
+        "told when the lease could have run out"
+    );
+}
+
+/// Renewals that answer slowly, but within the lease, keep it: each is paced from the start
+/// of the one before, so a slow answer does not push the next one past the lease (paced
+/// from the answer, the second renewal here would start 2.2 s after the first and answer
+/// after the lease it renews ran out).
+#[tokio::test(start_paused = true)]
+async fn renewals_answered_slowly_within_the_lease_keep_it() {
+    let slow = SlowRenewals {
+        store: MemoryLockStore::new(),
+        renew_delay: Some(Duration::from_millis(1_200)),
+    };
+    let (outcome, told) = through_a_long_handler(slow).await;
+    assert_eq!((outcome, told), (Outcome::Processed, None));
 }
 
 #[tokio::test]

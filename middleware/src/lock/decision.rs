@@ -99,7 +99,13 @@ impl<St: LockStore> LockLayer<St> {
                 return;
             };
             match renewed {
-                Ok(true) => valid_until = sent + self.lease,
+                // The next renewal is paced from this one's start, like the lease it renewed,
+                // so a slow answer does not eat into the next renewal's margin.
+                Ok(true) => {
+                    valid_until = sent + self.lease;
+                    next = sent + self.renew_every;
+                    continue;
+                }
                 Ok(false) => {
                     tracing::warn!(%entity, "lock lease lost: the lock is no longer ours");
                     lease.mark_lost();

@@ -41,10 +41,12 @@ impl<St> LockLayer<St> {
     }
 
     setters! {
-        /// Sets how often the watchdog renews the lease (default a third of the lease). Renewal
-        /// must succeed at least once per lease; a failed renewal is retried at this pace until
-        /// the lease would run out, and then the lease counts as lost — as it does when a
-        /// renewal is still unanswered then (a store gone silent).
+        /// Sets how often the watchdog renews the lease (default a third of the lease), counted
+        /// from the start of the last renewal that succeeded. Renewal must succeed at least once
+        /// per lease; a failed renewal is retried at this pace until the lease would run out,
+        /// and then the lease counts as lost — as it does when a renewal is still unanswered
+        /// then (a store gone silent). So keep it well under the lease: at or above it, every
+        /// handler that outlives it loses its lease.
         with_renew_every(renew_every: Duration);
 
         /// The delay suggested to the broker when the entity is locked by another delivery.

@@ -17,7 +17,8 @@
 //! # What it guarantees alone, and what it relies on
 //! While the lease is renewed, no two holders run for one entity. A lease can still be lost
 //! (a store restart, a network partition longer than the lease, a store that stops
-//! answering until the lease could have run out): then the handler is told at once, and the outcome is never an ack, so a tier in front cannot record the work as done.
+//! answering until the lease could have run out): then the handler is told at once, and
+//! the outcome is never an ack, so a tier in front cannot record the work as done.
 //! The lock does not remember anything after release: duplicates that arrive one after the
 //! other are for the flag and record tiers. Handlers writing to a store that can compare the
 //! fencing token reject a stale holder's late writes even after a lost lease.
