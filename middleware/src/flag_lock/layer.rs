@@ -75,9 +75,12 @@ impl<C: RedisConnection> FlagLockLayer<C> {
     /// and 4,920 at 298–320 µs (Redis 44–48) with `(64, 4)` and 6,062 and 5,394 at
     /// 295–317 µs (Redis 50–55) uncoalesced. With a few deliveries in flight, a delivery may
     /// wait a round trip for the call ahead of it. A settle waiting for its call counts
-    /// against the lock's lease (the watchdog has stopped by then): it waits for at most the
-    /// calls queued ahead of it, a round trip each, which a lease of seconds leaves ample
-    /// room for.
+    /// against the lock's lease (the watchdog has stopped by then): it waits for the call on
+    /// the wire and the calls queued ahead of it (about one per `max_deliveries` deliveries
+    /// waiting), each a round trip plus Redis running its deliveries — milliseconds, which a
+    /// lease of seconds leaves ample room for. A call that finds a slot free runs in the
+    /// task of the delivery that sent it: a handler that blocks its thread holds that call,
+    /// and with one slot every delivery's next step waits behind it.
     ///
     /// On Redis Cluster the tier runs the two layers one after the other (see the
     /// [module docs](crate::flag_lock)), which this does not coalesce. It needs one Redis or
