@@ -169,6 +169,91 @@ async fn a_failing_handler_mid_batch_costs_its_neighbours_nothing() {
     );
 }
 
+/// One lane, held by a slow first delivery while 64 orders queue: they open the next batch
+/// together, and o-50 fails in it. Answers the outcomes of the 64 and how many transactions
+/// committed their records (the slow one's included).
+async fn one_failure_in_a_full_batch(stack: BoxedStack, schema: &ScratchSchema) -> (Vec<Outcome>, i64) {
+    let route = route(stack);
+    let slow = {
+        let route = route.clone();
+        tokio::spawn(async move { route.handle(order("slow")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let outcomes = handle_all(&route, orders(64)).await;
+    assert_eq!(slow.await.unwrap(), Outcome::Processed);
+    (outcomes, committing_transactions(schema).await)
+}
+
+/// Whose handler it is in [`one_failure_in_a_full_batch`]: the slow one holds the lane,
+/// o-50 fails.
+fn part(envelope: &Envelope) -> Option<Result<(), HandlerError>> {
+    match envelope.key().as_str() {
+        "o-50" => Some(Err(HandlerError::transient("payment service timed out"))),
+        "slow" => Some(Ok(())),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_neighbours_of_a_failed_delivery_commit_in_another_batch_not_one_by_one() {
+    for set_handler in [false, true] {
+        let (schema, pool) = stock_schema(8).await;
+        let layer = PgTransactionalLayer::new(pool.clone(), schema.records())
+            .batched()
+            .with_lanes(1)
+            .with_max_batch(64);
+        let stack = match set_handler {
+            false => integration_tests::postgres::boxed(tower::Layer::layer(
+                &layer,
+                handler_fn(|envelope: Envelope| async move {
+                    if envelope.key().as_str() == "slow" {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    insert_stock_move(&envelope).await?;
+                    part(&envelope).unwrap_or(Ok(()))
+                }),
+            )),
+            true => integration_tests::postgres::boxed(layer.batch_handler(
+                |tx: PgTransaction, batch: Vec<Envelope>| async move {
+                    let mut answer = BatchAnswer::processed();
+                    for (index, envelope) in batch.iter().enumerate() {
+                        if envelope.key().as_str() == "slow" {
+                            tokio::time::sleep(Duration::from_millis(300)).await;
+                        }
+                        if let Some(Err(error)) = part(envelope) {
+                            answer.fail(index, error);
+                        }
+                    }
+                    insert_stock_moves(tx, batch).await?;
+                    Ok(answer)
+                },
+            )),
+        };
+        let (outcomes, transactions) = one_failure_in_a_full_batch(stack, &schema).await;
+        assert_eq!(
+            outcomes[50].retry_reason(),
+            Some(RetryReason::HandlerFailed),
+            "set handler {set_handler}: {:?}",
+            outcomes[50]
+        );
+        for (i, outcome) in outcomes.iter().enumerate().filter(|(i, _)| *i != 50) {
+            assert_eq!(*outcome, Outcome::Processed, "set handler {set_handler}: o-{i}");
+        }
+        let moves = moves(&schema).await;
+        assert_eq!(moves.len(), 64, "set handler {set_handler}: {moves:?}");
+        assert!(moves.values().all(|count| *count == 1), "{moves:?}");
+        assert!(
+            !moves.contains_key("o-50"),
+            "set handler {set_handler}: o-50 committed"
+        );
+        // The slow one's, then the 63 others in a few batches: one by one they would take 63.
+        assert!(
+            transactions <= 8,
+            "set handler {set_handler}: 64 records took {transactions} commits"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_of_one_key_in_one_batch_and_across_batches_apply_once() {
     let (schema, pool) = stock_schema(8).await;

@@ -585,7 +585,8 @@ async fn copies_racing_a_failed_first_attempt_apply_the_effect_once() {
 }
 
 /// In a batch, one delivery's failure rolls back nothing of its neighbours for good: they
-/// run again alone and are applied once; the failing one is retried and applied once.
+/// run again (in another batch, or alone) and are applied once; the failing one is retried
+/// and applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_delivery_in_a_batch_costs_its_neighbours_nothing() {
     let database = StockDatabase::new().await;

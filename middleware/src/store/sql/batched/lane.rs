@@ -41,9 +41,33 @@ pub(super) enum Word {
     Ran(Outcome),
     /// Its answer without its handler running: a duplicate, a conflict, a failed store.
     Answer(Outcome),
-    /// Run again alone, in a transaction of its own: its batch was rolled back through no
-    /// fault of its handler (or of one it cannot be told apart from).
+    /// Join another batch: its batch was rolled back for another delivery's failure, which
+    /// is out of the way now, and nothing suggests this one would fail.
+    Again,
+    /// Run again alone, in a transaction of its own: its handler may be what failed its
+    /// batch, or the batch failed in a way that tells nobody's fault apart (a claim lost to
+    /// another transaction, a commit that failed or went unanswered).
     Alone,
+}
+
+/// How often a delivery joins another batch after its batch was rolled back for another's
+/// failure, before it runs alone. A batch failed by a handler sends that delivery alone or
+/// answers its failure, so rejoining costs its neighbours a handler run in a batch rather
+/// than a transaction each. The bound is for a handler that fails others and not itself
+/// (on PostgreSQL one that swallows a failed statement: the next handler fails), and keeps
+/// a delivery's runs few within a timeout in front.
+pub(super) const MAX_REJOINS: usize = 2;
+
+/// How a delivery's part in a batch ended, as far as the batch can tell.
+pub(super) enum Part {
+    /// Its handler answered this: a success, or a failure that is its own (no handler ran
+    /// before it in the transaction).
+    Answered(Outcome),
+    /// Its handler did not run: the batch failed before its turn.
+    NotRun,
+    /// Its handler failed where the failure may be another's doing (after another handler,
+    /// or a set handler failing as a whole): it runs alone, where only its own doing counts.
+    Suspect,
 }
 
 /// How one claimed delivery's handler ended in a batch.
@@ -51,23 +75,21 @@ pub(super) struct Ended {
     pub(super) request: ClaimRequest,
     /// Where its last word goes.
     pub(super) reply: oneshot::Sender<Word>,
-    /// What its handler answered; `None`: it did not run, or not alone (a set handler that
-    /// failed as a whole), so its effect was not tried on its own.
-    pub(super) outcome: Option<Outcome>,
+    pub(super) part: Part,
 }
 
 impl Ended {
-    pub(super) fn of<W>(joiner: Joiner<W>, outcome: Option<Outcome>) -> Self {
+    pub(super) fn of<W>(joiner: Joiner<W>, part: Part) -> Self {
         Ended {
             request: joiner.request,
             reply: joiner.reply,
-            outcome,
+            part,
         }
     }
 
     /// Whether this delivery's part of the batch can commit.
     fn succeeded(&self) -> bool {
-        self.outcome.as_ref().is_some_and(Outcome::is_settled)
+        matches!(&self.part, Part::Answered(outcome) if outcome.is_settled())
     }
 }
 
@@ -91,8 +113,8 @@ pub(super) trait Writer<H>: Send + Sync + 'static {
     /// `first`: no handler ran in the transaction before this group. A failure a handler
     /// answers is its own only then — after another handler, it may be that one's doing (on
     /// PostgreSQL a swallowed failed statement aborts the transaction, and the next one
-    /// fails); such a failure is reported as "did not run", and the delivery runs again
-    /// alone. `group` is never empty.
+    /// fails); such a delivery is a [`Part::Suspect`], and runs again alone. `group` is
+    /// never empty.
     fn write(
         &self,
         transaction: &H,
@@ -158,7 +180,32 @@ impl<R: TransactionalRecord, W: Writer<R::Handle> + Clone> Lanes<R, W> {
     }
 
     /// Puts `envelope`, with `work`, into the next batch; answers the lane's word for it.
-    pub(super) async fn join(&self, envelope: &Envelope, work: W::Work) -> Word {
+    /// When its batch is rolled back for another delivery's failure, it joins another with
+    /// the work `again` makes, up to [`MAX_REJOINS`] times; past that it answers the last
+    /// [`Word::Again`], and the delivery runs alone.
+    pub(super) async fn join<F>(
+        &self,
+        envelope: &Envelope,
+        work: W::Work,
+        mut again: impl FnMut() -> F,
+    ) -> Word
+    where
+        F: Future<Output = Result<W::Work, Outcome>>,
+    {
+        let mut word = self.join_once(envelope, work).await;
+        for _ in 0..MAX_REJOINS {
+            let Word::Again = word else {
+                return word;
+            };
+            word = match again().await {
+                Ok(work) => self.join_once(envelope, work).await,
+                Err(outcome) => Word::Answer(outcome),
+            };
+        }
+        word
+    }
+
+    async fn join_once(&self, envelope: &Envelope, work: W::Work) -> Word {
         let (reply, word) = oneshot::channel();
         let joiner = Joiner {
             request: claim_request(envelope),
@@ -237,7 +284,8 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
 
     /// Runs one transaction: claims `intake`, runs the handlers, takes in the deliveries that
     /// arrived meanwhile while the batch is within its limits, then commits — or rolls back
-    /// and sends the deliveries whose handlers did not fail to run alone. Returns the
+    /// and sends the deliveries whose handlers did not fail to another batch, and the
+    /// suspects to run alone. Returns the
     /// deliveries whose key this batch already had, for the next one: a statement cannot
     /// claim a key twice, and the copy must see what the first copy's commit left.
     async fn batch(&self, intake: Vec<Joiner<W::Work>>) -> Vec<Joiner<W::Work>> {
@@ -253,8 +301,8 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
             Ok(opened) => opened,
             // Another lane's joiners locked keys in another order, and the server broke the
             // deadlock by failing this claim (or, on MySQL, it waited past the lock wait
-            // timeout): nothing is wrong with the store or the deliveries, which run alone as a
-            // batch's do when it fails for no fault of theirs.
+            // timeout): nothing is wrong with the store or the deliveries, which run alone
+            // rather than meet the same keys in another batch.
             Err(error) if R::lost_to_another_transaction(&error) => {
                 tracing::debug!(%error, "a batch lost its claim to another transaction; its deliveries run alone");
                 for joiner in fresh {
@@ -295,11 +343,14 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 }
                 Err(error) => {
                     // The transaction is aborted (a deadlock with another lane, a lost
-                    // connection): they run alone, which also tells a store that is down.
+                    // connection, a failed statement a handler swallowed): whose doing it
+                    // was is unknown, and everyone runs alone, which also tells a store
+                    // that is down.
                     tracing::debug!(%error, "a batch could not claim its joiners");
                     for joiner in fresh {
                         let _ = joiner.reply.send(Word::Alone);
                     }
+                    ended.iter_mut().for_each(|ended| ended.part = Part::Suspect);
                     ending = Ending::Rollback;
                     break;
                 }
@@ -318,37 +369,44 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         ended: &mut Vec<Ended>,
     ) -> Ending {
         let first = ended.is_empty();
-        let alone = first && group.len() == 1;
+        let before = ended.len();
         // A group the claims left empty (copies, keys done elsewhere) has nothing to write:
         // a set handler is never called with an empty batch.
-        if !group.is_empty() {
-            let handle = R::handle(transaction);
-            let written = self.writer.write(&handle, group, first).await;
-            drop(handle);
-            let failed = written.ended.iter().any(|ended| !ended.succeeded());
-            ended.extend(written.ended);
-            if written.tainted {
-                return Ending::Close;
-            }
-            if failed {
-                return Ending::Rollback;
-            }
+        if group.is_empty() {
+            return Ending::Commit;
+        }
+        let handle = R::handle(transaction);
+        let written = self.writer.write(&handle, group, first).await;
+        drop(handle);
+        let failed = written.ended.iter().any(|ended| !ended.succeeded());
+        ended.extend(written.ended);
+        if written.tainted {
+            return Ending::Close;
         }
         // A statement failed that no handler answered for (MySQL carries on past one): the
         // batch cannot commit — now, rather than after more handlers and joiners. The one
-        // handler of the transaction answers for it; after several, which one it was is
-        // unknown, and all run alone (a rolled-back batch's processed deliveries do).
-        let Some(failure) = R::doomed(transaction) else {
-            return Ending::Commit;
-        };
-        if let (true, Some(own)) = (alone, ended.last_mut()) {
-            own.outcome = Some(Outcome::retry_later(
-                RetryReason::HandlerFailed,
-                format!("a statement of the handler failed, although it answered success: {failure}"),
-                None,
-            ));
+        // handler of the transaction answers for it. Otherwise one of this group's handlers
+        // that answered success swallowed it (the earlier groups' were checked): they run
+        // alone, where the one that did fails on its own.
+        let doomed = R::doomed(transaction);
+        if let Some(failure) = &doomed {
+            let group = &mut ended[before..];
+            let alone = first && group.len() == 1;
+            for ended in group.iter_mut().filter(|ended| ended.succeeded()) {
+                ended.part = match alone {
+                    true => Part::Answered(Outcome::retry_later(
+                        RetryReason::HandlerFailed,
+                        format!("a statement of the handler failed, although it answered success: {failure}"),
+                        None,
+                    )),
+                    false => Part::Suspect,
+                };
+            }
         }
-        Ending::Rollback
+        match failed || doomed.is_some() {
+            true => Ending::Rollback,
+            false => Ending::Commit,
+        }
     }
 
     /// Answers the deliveries the claim did not give the key to (duplicates, conflicts,
@@ -380,11 +438,17 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 // A batch of one failed to commit for its only delivery's sake (or nobody
                 // knows whether it committed): it answers as it would alone.
                 Err(failed) if ended.len() == 1 => {
-                    ended[0].outcome = Some(failed);
+                    ended[0].part = Part::Answered(failed);
                     false
                 }
+                // Why is unknown (a lost connection, a handler's own `COMMIT` failing the
+                // tier's), and so is whether it committed: each runs alone, where a
+                // committed one finds its key done.
                 Err(failed) => {
                     tracing::warn!(deliveries = ended.len(), %failed, "a batch did not commit; its deliveries run again alone");
+                    for ended in &mut ended {
+                        ended.part = Part::Suspect;
+                    }
                     false
                 }
             },
@@ -399,14 +463,17 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         };
         let mut failures = Vec::new();
         for ended in ended {
-            match ended.outcome {
-                Some(outcome) if committed => {
+            match ended.part {
+                Part::Answered(outcome) if committed => {
                     let _ = ended.reply.send(Word::Ran(outcome));
                 }
-                Some(outcome) if !outcome.is_settled() => {
+                Part::Answered(outcome) if !outcome.is_settled() => {
                     failures.push((ended.request, ended.reply, outcome))
                 }
-                _ => {
+                Part::Answered(_) | Part::NotRun => {
+                    let _ = ended.reply.send(Word::Again);
+                }
+                Part::Suspect => {
                     let _ = ended.reply.send(Word::Alone);
                 }
             }

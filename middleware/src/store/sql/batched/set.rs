@@ -12,7 +12,7 @@ use futures_util::FutureExt;
 use tower_service::Service;
 
 use super::TransactionalRecord;
-use super::lane::{Ended, Joiner, Lanes, Limits, Word, Writer, Written};
+use super::lane::{Ended, Joiner, Lanes, Limits, Part, Word, Writer, Written};
 use crate::envelope::Envelope;
 use crate::handler::{Argument, HandlerError, InTransaction};
 use crate::outcome::Outcome;
@@ -28,13 +28,18 @@ use crate::tier::{BoxFuture, Tier, decide};
 /// PostgreSQL; the same with `MysqlTransaction` for MySQL.
 ///
 /// It receives the envelopes whose keys the batch claimed (never none, never two of one key,
-/// never a duplicate of a settled key) and answers per envelope ([`BatchAnswer`]). When it answers
-/// an error for the whole batch, panics, or fails an envelope, the batch is rolled back and
-/// every envelope that did not fail runs again alone: the handler is called once per
-/// envelope, with a batch of one, each in a transaction of its own. So it must write
-/// nothing outside the transaction, and an error of one envelope (a body that does not
-/// parse, say) may simply be returned with `?`: the envelopes that are fine are written on
-/// their second run, the bad one fails alone.
+/// never a duplicate of a settled key) and answers per envelope ([`BatchAnswer`]). When it
+/// [fails an envelope](BatchAnswer::fail), the batch is rolled back: that envelope answers
+/// its failure (or, when an earlier call ran in the same transaction, runs again alone: the
+/// failure may be that call's doing), and the others join another batch, where the handler
+/// is called again with them. When it answers an error for the whole batch, or panics,
+/// which envelope is at fault is unknown: every envelope of the call runs again alone —
+/// the handler is called once per envelope, with a batch of one, each in a transaction of
+/// its own. So it must write
+/// nothing outside the transaction. An error of one envelope (a body that does not parse,
+/// say) may simply be returned with `?`: the envelopes that are fine are written on their
+/// second run, the bad one fails alone; [`BatchAnswer::fail`] costs them less (another
+/// call in a batch rather than a transaction each).
 pub trait BatchHandler<T>: Send + Sync + 'static {
     /// Writes the effects of `batch` in `transaction`, and answers per envelope.
     fn handle(
@@ -73,7 +78,7 @@ impl BatchAnswer {
 
     /// The envelope at `index` (in the batch as given) failed with `error`: it answers the
     /// error's outcome (retry, or dead letter when permanent). The batch is then rolled back
-    /// and the other envelopes run again alone, so what the handler wrote for the failed
+    /// and the other envelopes join another batch, so what the handler wrote for the failed
     /// envelope is never committed. An index beyond the batch fails the whole batch.
     pub fn fail(&mut self, index: usize, error: impl Into<HandlerError>) -> &mut Self {
         self.failures.push((index, error.into()));
@@ -118,11 +123,14 @@ impl<T: Clone + Send + Sync + 'static, H: BatchHandler<T>> Writer<T> for SetWrit
             Ok(Ok(answer)) => match answer.into_outcomes(group.len()) {
                 Some(outcomes) => {
                     // After an earlier call, a failure may be that call's doing.
-                    let own = |outcome: Outcome| (first || outcome.is_settled()).then_some(outcome);
+                    let part = |outcome: Outcome| match first || outcome.is_settled() {
+                        true => Part::Answered(outcome),
+                        false => Part::Suspect,
+                    };
                     let ended = group.into_iter().zip(outcomes);
                     return Written {
                         ended: ended
-                            .map(|(joiner, outcome)| Ended::of(joiner, own(outcome)))
+                            .map(|(joiner, outcome)| Ended::of(joiner, part(outcome)))
                             .collect(),
                         tainted: false,
                     };
@@ -133,12 +141,16 @@ impl<T: Clone + Send + Sync + 'static, H: BatchHandler<T>> Writer<T> for SetWrit
             // Its statements may still be running: the connection is closed.
             Err(panic) => (panicked(panic.as_ref()), true),
         };
-        // Which envelope failed is unknown, unless there is only one (and no call before).
+        // Which envelope failed is unknown, unless there is only one (and no call before):
+        // each runs alone, where only its own failure counts.
         let alone = group.len() == 1 && first;
         Written {
             ended: group
                 .into_iter()
-                .map(|joiner| Ended::of(joiner, alone.then(|| whole_batch_failed.clone())))
+                .map(|joiner| match alone {
+                    true => Ended::of(joiner, Part::Answered(whole_batch_failed.clone())),
+                    false => Ended::of(joiner, Part::Suspect),
+                })
                 .collect(),
             tainted,
         }
@@ -190,13 +202,13 @@ impl<H: BatchHandler<R::Handle>, R: TransactionalRecord> Service<Envelope> for B
         let lanes = self.lanes.clone();
         Box::pin(async move {
             let probe = Probe::enter(&envelope, Tier::Record);
-            let outcome = match lanes.join(&envelope, ()).await {
+            let outcome = match lanes.join(&envelope, (), || async { Ok(()) }).await {
                 Word::Ran(outcome) => {
                     probe.passed();
                     outcome
                 }
                 Word::Answer(outcome) => outcome,
-                Word::Alone => {
+                Word::Again | Word::Alone => {
                     let one_by_one = OneByOne::<H, R::Handle>(lanes.writer().0.clone(), PhantomData);
                     decide(lanes.record(), one_by_one, envelope, &probe).await
                 }

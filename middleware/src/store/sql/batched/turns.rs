@@ -8,7 +8,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use super::TransactionalRecord;
-use super::lane::{Ended, Joiner, Lanes, Word, Writer, Written};
+use super::lane::{Ended, Joiner, Lanes, Part, Word, Writer, Written};
 use crate::envelope::Envelope;
 use crate::error::BoxError;
 use crate::outcome::{Outcome, RetryReason};
@@ -52,14 +52,14 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 written.ended.push(Ended {
                     request,
                     reply,
-                    outcome: None,
+                    part: Part::NotRun,
                 });
                 continue;
             }
             let run = AssertUnwindSafe(work(transaction.clone())).catch_unwind();
             // A panic or a cut-off handler may leave a statement running: the connection is
             // closed, not rolled back.
-            let mut outcome = tokio::select! {
+            let outcome = tokio::select! {
                 ran = run => {
                     written.tainted |= ran.is_err();
                     Some(ran.unwrap_or_else(|panic| panicked(panic.as_ref())))
@@ -70,15 +70,14 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 }
             };
             failed = !outcome.as_ref().is_some_and(Outcome::is_settled);
-            if failed && !first {
-                outcome = None;
-            }
+            // After another handler, a failure may be that one's doing (a failed statement
+            // it swallowed aborts the transaction on PostgreSQL); a cut-off delivery is gone.
+            let part = match outcome {
+                Some(outcome) if first || !failed => Part::Answered(outcome),
+                _ => Part::Suspect,
+            };
             first = false;
-            written.ended.push(Ended {
-                request,
-                reply,
-                outcome,
-            });
+            written.ended.push(Ended { request, reply, part });
         }
         written
     }
@@ -119,7 +118,8 @@ impl<R: TransactionalRecord> TierRun for BatchLanes<R> {
 }
 
 /// One delivery's part in a batch: join with its handler's run, answer the batch's verdict
-/// — or run again alone if the batch was rolled back for another's failure.
+/// — or join another batch, or run again alone, if the batch was rolled back for another's
+/// failure.
 async fn take_part<S, R>(lanes: &Lanes<R, Turns>, inner: S, envelope: Envelope, probe: &Probe) -> Outcome
 where
     R: TransactionalRecord,
@@ -127,33 +127,53 @@ where
     S::Future: Send,
     S::Error: Into<BoxError>,
 {
-    let template = inner.clone();
-    let in_batch = envelope.clone();
     // The handler runs on the lane's task: it takes the delivery's span along, so that its
     // logs still name the route and the key.
     let span = tracing::Span::current();
-    let run: HandlerRun<R::Handle> = Box::new(move |transaction| {
-        Box::pin(
+    // The readied service goes with the batch: a later run takes a clone, readied anew.
+    let fallback = inner.clone();
+    let again = {
+        let (template, envelope, span) = (inner.clone(), envelope.clone(), span.clone());
+        move || {
+            let (service, envelope, span) = (template.clone(), envelope.clone(), span.clone());
             async move {
-                let mut envelope = in_batch;
-                envelope.extensions_mut().insert(transaction);
-                behind(inner, envelope).await
+                ready(service)
+                    .await
+                    .map(|service| handler_run(service, envelope, span))
             }
-            .instrument(span),
-        )
-    });
-    match lanes.join(&envelope, run).await {
+        }
+    };
+    let first = handler_run(inner, envelope.clone(), span);
+    match lanes.join(&envelope, first, again).await {
         Word::Ran(outcome) => {
             probe.passed();
             outcome
         }
         Word::Answer(outcome) => outcome,
-        // The readied service went with the batch: a clone, readied anew.
-        Word::Alone => match ready(template).await {
+        Word::Again | Word::Alone => match ready(fallback).await {
             Ok(service) => decide(lanes.record(), service, envelope, probe).await,
             Err(outcome) => outcome,
         },
     }
+}
+
+/// The run of `service` on `envelope` in a batch's transaction, in the delivery's `span`.
+fn handler_run<S, H>(service: S, mut envelope: Envelope, span: tracing::Span) -> HandlerRun<H>
+where
+    S: Service<Envelope, Response = Outcome> + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    H: Clone + Send + Sync + 'static,
+{
+    Box::new(move |transaction| {
+        Box::pin(
+            async move {
+                envelope.extensions_mut().insert(transaction);
+                behind(service, envelope).await
+            }
+            .instrument(span),
+        )
+    })
 }
 
 /// `service` once it is ready for a call.
