@@ -85,11 +85,11 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
 
 /// How many batches run at once unless configured otherwise ([`BatchedLayer::with_lanes`],
 /// which says how it was chosen).
-pub const DEFAULT_LANES: usize = 4;
+pub const DEFAULT_LANES: usize = 2;
 
 /// The most deliveries a batch takes unless configured otherwise
 /// ([`BatchedLayer::with_max_batch`], which says how it was chosen).
-pub const DEFAULT_MAX_BATCH: usize = 16;
+pub const DEFAULT_MAX_BATCH: usize = 64;
 
 /// How long a batch takes in joiners unless configured otherwise
 /// ([`BatchedLayer::with_max_linger`]).
@@ -267,14 +267,15 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// How many batches run at once, each on its own pooled connection (at least 1; default
     /// [`DEFAULT_LANES`]). A connection runs its batch's statements one after another, a
     /// round trip each, so lanes side by side keep the database busy; fewer and fuller
-    /// batches cost less CPU per delivery. Measured on the 2-core development machine
-    /// (PostgreSQL, issue 25), with nothing failing: 2 lanes of at most 64 against the
-    /// default 4 of at most 16 ran the tier itself at 64 in flight at 16,100/s against
-    /// 15,900/s with a per-delivery handler and at 37,800/s against 27,100/s with a batch
-    /// handler, and the RabbitMQ runner with the full stack and a batch handler at 256 in
-    /// flight at 12,500/s against 10,500/s; 2 lanes of 16, 4 of 64, 8 of 32 and 1 of 128 did
-    /// no better than the default. Why the default stays: see
-    /// [`with_max_batch`](BatchedLayer::with_max_batch).
+    /// batches cost less CPU per delivery. The default 2 lanes of at most 64 was measured on
+    /// the 2-core development machine (issue 25): the RabbitMQ runner at 256 in flight with
+    /// the full stack, the PostgreSQL record batched and a batch handler, ran at a median of
+    /// 0.51× a raw lapin consumer over 7 runs (0.48–0.59) against 0.40× (0.39–0.41, 5 runs)
+    /// with 4 lanes of at most 16; with the per-delivery handler at 0.34× against 0.30×.
+    /// 2 lanes of 32 matched it with the batch handler (0.53×) but not with the per-delivery
+    /// one (0.30×), 4 of 32 the other way round (0.46×, 0.34×); 3 of 64, 4 of 64 and 2 of
+    /// 128 did no better with the batch handler (0.42–0.53×, 0.42–0.45×, 0.45–0.58×, two
+    /// runs each).
     pub fn with_lanes(mut self, lanes: usize) -> Self {
         self.lanes = lanes.max(1);
         self
