@@ -58,8 +58,9 @@ pub use crate::store::postgres::record::{
 pub use crate::store::sql::admin::{RecordRow, RecordStats, StuckReport};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use crate::store::sql::batched::{
-    BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService, DEFAULT_LANES,
-    DEFAULT_MAX_BATCH, DEFAULT_MAX_LINGER,
+    BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService,
+    DEFAULT_BATCH_HANDLER_LANES, DEFAULT_BATCH_HANDLER_MAX_BATCH, DEFAULT_LANES, DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_LINGER,
 };
 pub use decision::RecordTicket;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -198,10 +198,14 @@ impl fmt::Display for Report {
 
 /// The batched record's defaults, as the note under its measurements says them.
 pub(crate) fn batched_defaults() -> String {
-    use oncely::record::{DEFAULT_LANES, DEFAULT_MAX_BATCH, DEFAULT_MAX_LINGER};
+    use oncely::record::{
+        DEFAULT_BATCH_HANDLER_LANES, DEFAULT_BATCH_HANDLER_MAX_BATCH, DEFAULT_LANES, DEFAULT_MAX_BATCH,
+        DEFAULT_MAX_LINGER,
+    };
     format!(
-        "The batched record's defaults: {DEFAULT_LANES} lanes, batches of at most {DEFAULT_MAX_BATCH}, \
-         joiners taken in for {} ms.",
+        "The batched record's defaults: {DEFAULT_LANES} lanes, batches of at most {DEFAULT_MAX_BATCH} \
+         (with a batch handler {DEFAULT_BATCH_HANDLER_LANES} lanes of at most \
+         {DEFAULT_BATCH_HANDLER_MAX_BATCH}), joiners taken in for {} ms.",
         DEFAULT_MAX_LINGER.as_millis()
     )
 }

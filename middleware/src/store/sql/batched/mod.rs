@@ -83,13 +83,21 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
     fn doomed(open: &Self::Open) -> Option<String>;
 }
 
-/// How many batches run at once unless configured otherwise ([`BatchedLayer::with_lanes`],
-/// which says how it was chosen).
-pub const DEFAULT_LANES: usize = 2;
+/// How many batches of per-delivery handlers run at once unless configured otherwise
+/// ([`BatchedLayer::with_lanes`], which says how it was chosen).
+pub const DEFAULT_LANES: usize = 4;
 
-/// The most deliveries a batch takes unless configured otherwise
-/// ([`BatchedLayer::with_max_batch`], which says how it was chosen).
-pub const DEFAULT_MAX_BATCH: usize = 64;
+/// The most deliveries a batch of per-delivery handlers takes unless configured otherwise
+/// ([`BatchedLayer::with_max_batch`]).
+pub const DEFAULT_MAX_BATCH: usize = 32;
+
+/// How many batches run at once with a [`BatchHandler`] unless configured otherwise
+/// ([`BatchedLayer::with_lanes`], which says how it was chosen).
+pub const DEFAULT_BATCH_HANDLER_LANES: usize = 2;
+
+/// The most deliveries a [`BatchHandler`]'s batch takes unless configured otherwise
+/// ([`BatchedLayer::with_max_batch`]).
+pub const DEFAULT_BATCH_HANDLER_MAX_BATCH: usize = 64;
 
 /// How long a batch takes in joiners unless configured otherwise
 /// ([`BatchedLayer::with_max_linger`]).
@@ -97,13 +105,15 @@ pub const DEFAULT_MAX_LINGER: Duration = Duration::from_millis(10);
 
 impl<R: TransactionalRecord> BatchedLayer<R> {
     /// The batched mode of `record` (same pool, table and in-flight delay), with the
-    /// defaults [`DEFAULT_LANES`], [`DEFAULT_MAX_BATCH`] and [`DEFAULT_MAX_LINGER`].
+    /// defaults [`DEFAULT_LANES`] and [`DEFAULT_MAX_BATCH`] for per-delivery handlers,
+    /// [`DEFAULT_BATCH_HANDLER_LANES`] and [`DEFAULT_BATCH_HANDLER_MAX_BATCH`] for a
+    /// [`BatchHandler`], and [`DEFAULT_MAX_LINGER`].
     pub(crate) fn new(record: R) -> Self {
         BatchedLayer {
             record,
-            max_batch: DEFAULT_MAX_BATCH,
+            max_batch: None,
             max_linger: DEFAULT_MAX_LINGER,
-            lanes: DEFAULT_LANES,
+            lanes: None,
         }
     }
 }
@@ -233,13 +243,17 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 #[derive(Clone)]
 pub struct BatchedLayer<R> {
     record: R,
-    max_batch: usize,
+    /// `None`: the default of the handler's kind.
+    max_batch: Option<usize>,
     max_linger: Duration,
-    lanes: usize,
+    /// `None`: the default of the handler's kind.
+    lanes: Option<usize>,
 }
 
 impl<R: TransactionalRecord> BatchedLayer<R> {
-    /// The most deliveries one transaction takes (at least 1; default [`DEFAULT_MAX_BATCH`]).
+    /// The most deliveries one transaction takes (at least 1; default [`DEFAULT_MAX_BATCH`]
+    /// with per-delivery handlers, [`DEFAULT_BATCH_HANDLER_MAX_BATCH`] with a
+    /// [`BatchHandler`]).
     ///
     /// Fuller batches cost less CPU per delivery, and a failure rolls back more: the failing
     /// delivery's neighbours run their handlers again in another batch, and a delivery whose
@@ -247,10 +261,10 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// [`BatchedLayer`]). With independent failures of 1 % of deliveries, about 15 % of
     /// 16-delivery batches fail and about 47 % of 64-delivery ones: a handler runs about 1.2
     /// times per delivery in the first, about 1.8 times in the second, and about 0.3 % and
-    /// 11 % of deliveries end up in a transaction of their own. Where handlers fail often (a downstream service that
-    /// times out), lower it.
+    /// 11 % of deliveries end up in a transaction of their own. Where handlers fail often (a
+    /// downstream service that times out), lower it.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
-        self.max_batch = max_batch.max(1);
+        self.max_batch = Some(max_batch.max(1));
         self
     }
 
@@ -265,19 +279,23 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     }
 
     /// How many batches run at once, each on its own pooled connection (at least 1; default
-    /// [`DEFAULT_LANES`]). A connection runs its batch's statements one after another, a
-    /// round trip each, so lanes side by side keep the database busy; fewer and fuller
-    /// batches cost less CPU per delivery. The default 2 lanes of at most 64 was measured on
-    /// the 2-core development machine (issue 25): the RabbitMQ runner at 256 in flight with
-    /// the full stack, the PostgreSQL record batched and a batch handler, ran at a median of
-    /// 0.51× a raw lapin consumer over 7 runs (0.48–0.59) against 0.40× (0.39–0.41, 5 runs)
-    /// with 4 lanes of at most 16; with the per-delivery handler at 0.34× against 0.30×.
-    /// 2 lanes of 32 matched it with the batch handler (0.53×) but not with the per-delivery
-    /// one (0.30×), 4 of 32 the other way round (0.46×, 0.34×); 3 of 64, 4 of 64 and 2 of
-    /// 128 did no better with the batch handler (0.42–0.53×, 0.42–0.45×, 0.45–0.58×, two
-    /// runs each).
+    /// [`DEFAULT_LANES`] with per-delivery handlers, [`DEFAULT_BATCH_HANDLER_LANES`] with a
+    /// [`BatchHandler`]).
+    ///
+    /// A connection runs its batch's statements one after another, a round trip each: per-
+    /// delivery handlers, a statement or more each, go as fast as lanes side by side keep
+    /// the database busy; a batch handler writes a batch in a few statements, and fuller
+    /// batches cost less per delivery. Hence the two defaults, measured on the 2-core
+    /// development machine (issue 25) with the RabbitMQ runner at 256 in flight, the full
+    /// stack and the PostgreSQL record batched, against a raw lapin consumer (short runs,
+    /// taking turns; median, runs): with a batch handler 2 lanes of 64 ran at 0.51× (7),
+    /// 2 of 32 at 0.53× (4), 4 of 32 at 0.46× (4), 4 of 16 at 0.40× (5); with per-delivery
+    /// handlers 4 lanes of 32 at 0.345× (4), 2 of 64 at 0.34× (7), 4 of 16 at 0.30× (5). In
+    /// the tier's own benchmark at 64 in flight, per-delivery handlers ran at 21,100/s on
+    /// PostgreSQL and 21,900/s on MariaDB with 4 lanes of 32, against 18,100/s and 17,300/s
+    /// with 2 of 64.
     pub fn with_lanes(mut self, lanes: usize) -> Self {
-        self.lanes = lanes.max(1);
+        self.lanes = Some(lanes.max(1));
         self
     }
 
@@ -295,14 +313,16 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// The set handler `handler` behind this tier: called once per batch with every claimed
     /// envelope; see [`BatchHandler`].
     pub fn batch_handler<H: BatchHandler<R::Handle>>(&self, handler: H) -> BatchHandlerService<H, R> {
-        BatchHandlerService::new(handler, self.record.clone(), self.limits())
+        let limits = self.limits(DEFAULT_BATCH_HANDLER_LANES, DEFAULT_BATCH_HANDLER_MAX_BATCH);
+        BatchHandlerService::new(handler, self.record.clone(), limits)
     }
 
-    fn limits(&self) -> Limits {
+    /// The limits set, or else the given defaults of the handler's kind.
+    fn limits(&self, lanes: usize, max_batch: usize) -> Limits {
         Limits {
-            max_batch: self.max_batch,
+            max_batch: self.max_batch.unwrap_or(max_batch),
             max_linger: self.max_linger,
-            lanes: self.lanes,
+            lanes: self.lanes.unwrap_or(lanes),
         }
     }
 }
@@ -325,7 +345,11 @@ impl<S: TransactionSafe, R: TransactionalRecord> Layer<S> for BatchedLayer<R> {
     fn layer(&self, inner: S) -> Self::Service {
         TierService::new(
             inner,
-            BatchLanes::new(Lanes::new(self.record.clone(), Turns, self.limits())),
+            BatchLanes::new(Lanes::new(
+                self.record.clone(),
+                Turns,
+                self.limits(DEFAULT_LANES, DEFAULT_MAX_BATCH),
+            )),
         )
     }
 }
