@@ -56,6 +56,13 @@ where
     outcomes
 }
 
+/// Asserts that every delivery but the one at `failed` came back processed.
+fn assert_processed_but(outcomes: &[Outcome], failed: usize, flight: &str) {
+    for (i, outcome) in outcomes.iter().enumerate().filter(|(i, _)| *i != failed) {
+        assert_eq!(*outcome, Outcome::Processed, "{flight}: delivery {i}");
+    }
+}
+
 /// Stock moves per order.
 async fn moves(schema: &ScratchSchema) -> HashMap<String, i64> {
     let client = schema_pool(schema.name(), 1).get().await.expect("PostgreSQL");
@@ -236,9 +243,7 @@ async fn the_neighbours_of_a_failed_delivery_commit_in_another_batch_not_one_by_
             "set handler {set_handler}: {:?}",
             outcomes[50]
         );
-        for (i, outcome) in outcomes.iter().enumerate().filter(|(i, _)| *i != 50) {
-            assert_eq!(*outcome, Outcome::Processed, "set handler {set_handler}: o-{i}");
-        }
+        assert_processed_but(&outcomes, 50, &format!("set handler {set_handler}"));
         let moves = moves(&schema).await;
         assert_eq!(moves.len(), 64, "set handler {set_handler}: {moves:?}");
         assert!(moves.values().all(|count| *count == 1), "{moves:?}");
@@ -523,9 +528,7 @@ async fn a_batch_handler_writes_a_batch_at_once_and_a_bad_envelope_fails_alone()
         "{:?}",
         outcomes[7]
     );
-    for (i, outcome) in outcomes.iter().enumerate().filter(|(i, _)| *i != 7) {
-        assert_eq!(*outcome, Outcome::Processed, "o-{}", 100 + i);
-    }
+    assert_processed_but(&outcomes, 7, "orders from o-100");
     let moves = moves(&schema).await;
     assert_eq!(moves.len(), 48 + 15, "{moves:?}");
     assert!(moves.values().all(|count| *count == 1), "{moves:?}");

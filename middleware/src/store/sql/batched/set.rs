@@ -35,11 +35,10 @@ use crate::tier::{BoxFuture, Tier, decide};
 /// is called again with them. When it answers an error for the whole batch, or panics,
 /// which envelope is at fault is unknown: every envelope of the call runs again alone —
 /// the handler is called once per envelope, with a batch of one, each in a transaction of
-/// its own. So it must write
-/// nothing outside the transaction. An error of one envelope (a body that does not parse,
-/// say) may simply be returned with `?`: the envelopes that are fine are written on their
-/// second run, the bad one fails alone; [`BatchAnswer::fail`] costs them less (another
-/// call in a batch rather than a transaction each).
+/// its own. So it must write nothing outside the transaction. An error of one envelope (a
+/// body that does not parse, say) may simply be returned with `?`: the envelopes that are
+/// fine are written on their second run, the bad one fails alone; [`BatchAnswer::fail`]
+/// costs them less (another call in a batch rather than a transaction each).
 pub trait BatchHandler<T>: Send + Sync + 'static {
     /// Writes the effects of `batch` in `transaction`, and answers per envelope.
     fn handle(
