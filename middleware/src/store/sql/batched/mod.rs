@@ -258,9 +258,9 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// Fuller batches cost less CPU per delivery, and a failure rolls back more: the failing
     /// delivery's neighbours run their handlers again in another batch, and a delivery whose
     /// batch is rolled back for others a third time runs alone (the isolation of
-    /// [`BatchedLayer`]). With independent failures of 1 % of deliveries, about 15 % of
-    /// 16-delivery batches fail and about 47 % of 64-delivery ones: a handler runs about 1.2
-    /// times per delivery in the first, about 1.8 times in the second, and about 0.3 % and
+    /// [`BatchedLayer`]). With independent failures of 1 % of deliveries, about 28 % of
+    /// 32-delivery batches fail and about 47 % of 64-delivery ones: a handler runs about 1.4
+    /// times per delivery in the first, about 1.8 times in the second, and about 2 % and
     /// 11 % of deliveries end up in a transaction of their own. Where handlers fail often (a
     /// downstream service that times out), lower it.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
@@ -282,9 +282,9 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// [`DEFAULT_LANES`] with per-delivery handlers, [`DEFAULT_BATCH_HANDLER_LANES`] with a
     /// [`BatchHandler`]).
     ///
-    /// A connection runs its batch's statements one after another, a round trip each: per-
-    /// delivery handlers, a statement or more each, go as fast as lanes side by side keep
-    /// the database busy; a batch handler writes a batch in a few statements, and fuller
+    /// A connection runs its batch's statements one after another, a round trip each: the
+    /// per-delivery handlers, a statement or more each, go as fast as lanes side by side
+    /// keep the database busy; a batch handler writes a batch in a few statements, and fuller
     /// batches cost less per delivery. Hence the two defaults, measured on the 2-core
     /// development machine (issue 25) with the RabbitMQ runner at 256 in flight, the full
     /// stack and the PostgreSQL record batched, against a raw lapin consumer (short runs,
@@ -293,7 +293,8 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// handlers 4 lanes of 32 at 0.345× (4), 2 of 64 at 0.34× (7), 4 of 16 at 0.30× (5). In
     /// the tier's own benchmark at 64 in flight, per-delivery handlers ran at 21,100/s on
     /// PostgreSQL and 21,900/s on MariaDB with 4 lanes of 32, against 18,100/s and 17,300/s
-    /// with 2 of 64.
+    /// with 2 of 64. With a batch handler 2 of 32 matched 2 of 64 within the runs' spread;
+    /// 64 keeps room for fuller batches at higher rates.
     pub fn with_lanes(mut self, lanes: usize) -> Self {
         self.lanes = Some(lanes.max(1));
         self
