@@ -39,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tower::Layer;
 use tower::ServiceBuilder;
 
+use crate::cpu::{CpuTime, Server, cpu_table};
 use crate::measure::median;
 use crate::report::{Plot, Report, Row, Section, Target};
 
@@ -152,7 +153,7 @@ impl Consumer {
         let topology = scratch_topology("bench");
         fill(&services.channel, &topology).await;
         let handled = Arc::new(AtomicU64::new(0));
-        let cpu_before = CpuTime::now();
+        let cpu_before = CpuTime::now(&SERVERS);
         let rate = match self {
             Consumer::RawLapin | Consumer::RawLapinAtRunnerPrefetch => {
                 raw_consumer(&services.channel, topology.queue(), self.prefetch()).await
@@ -240,16 +241,14 @@ impl Consumer {
                 runner_consumer(&services.channel, &topology, route.await, handled).await
             }
         };
-        let cpu = CpuTime::now().since(&cpu_before);
+        let cpu = CpuTime::now(&SERVERS).per_message_since(&cpu_before, MESSAGES);
         topology
             .delete(&services.channel)
             .await
             .expect("delete the bench queues");
         Measured {
             per_second: rate,
-            consumer_micros: cpu.consumer_micros / MESSAGES as f64,
-            servers_micros: cpu.servers_micros.map(|micros| micros / MESSAGES as f64),
-            machine_micros: cpu.machine_micros / MESSAGES as f64,
+            cpu,
         }
     }
 }
@@ -352,12 +351,8 @@ impl Services {
 /// One consumer's drain of the queue.
 struct Measured {
     per_second: f64,
-    /// CPU time of the bench process (the consumer) per message, in µs.
-    consumer_micros: f64,
-    /// CPU time of each of the [`SERVERS`] per message, in µs.
-    servers_micros: [f64; SERVERS.len()],
-    /// Busy CPU time of the whole machine per message, in µs.
-    machine_micros: f64,
+    /// What each message cost in CPU, split by [`SERVERS`].
+    cpu: CpuTime<{ SERVERS.len() }>,
 }
 
 /// Every measured consumer against the raw one, each the median of [`ROUNDS`] taking turns;
@@ -371,14 +366,10 @@ pub(crate) async fn run(report: &mut Report) {
         }
     }
     let medians = rounds.map(|rounds| {
-        let of = |value: fn(&Measured) -> f64| median(rounds.iter().map(value).collect());
+        let cpu: Vec<_> = rounds.iter().map(|measured| measured.cpu).collect();
         Measured {
-            per_second: of(|m| m.per_second),
-            consumer_micros: of(|m| m.consumer_micros),
-            servers_micros: std::array::from_fn(|server| {
-                median(rounds.iter().map(|m| m.servers_micros[server]).collect())
-            }),
-            machine_micros: of(|m| m.machine_micros),
+            per_second: median(rounds.iter().map(|measured| measured.per_second).collect()),
+            cpu: CpuTime::median(&cpu),
         }
     });
     let raw = medians[0].per_second;
@@ -424,7 +415,10 @@ pub(crate) async fn run(report: &mut Report) {
         baseline_name: Consumer::RawLapin.name(),
         unit: Some("messages"),
         rows,
-        note: Some(cpu_table(&medians)),
+        note: Some(cpu_table(
+            &SERVERS,
+            (Consumer::ALL.iter().zip(&medians)).map(|(consumer, measured)| (consumer.name(), &measured.cpu)),
+        )),
         plot: Plot::Bars,
     });
 }
@@ -589,124 +583,12 @@ where
     MESSAGES as f64 / started.elapsed().as_secs_f64()
 }
 
-/// The servers whose CPU the table splits out: the heading, and the name (`comm`) of their
-/// processes. Every process of that name on the machine counts, idle ones too (the machine's
-/// own Redis beside the bench's, RabbitMQ 4.0 beside 3.10), which adds little.
-const SERVERS: [(&str, &str); 4] = [
+/// The servers whose CPU the table splits out. Every process of that name on the machine
+/// counts, idle ones too (the machine's own Redis beside the bench's, RabbitMQ 4.0 beside
+/// 3.10), which adds little.
+const SERVERS: [Server; 4] = [
     ("RabbitMQ", "beam.smp"),
     ("Redis", "redis-server"),
     ("PostgreSQL", "postgres"),
     ("MariaDB", "mariadbd"),
 ];
-
-/// The CPU each message cost, split by process: where the time of a consumer that is slower
-/// than the raw one goes.
-fn cpu_table(medians: &[Measured]) -> String {
-    let servers: String = SERVERS
-        .iter()
-        .map(|(heading, _)| format!(" {heading} |"))
-        .collect();
-    let mut table = format!(
-        "CPU per message (medians, µs): the bench process is the consumer; then each server's \
-         processes; the whole machine's busy time adds what the kernel and the rest spent.\n\n\
-         | consumer | bench process |{servers} whole machine |\n|---|---:|{}---:|\n",
-        "---:|".repeat(SERVERS.len())
-    );
-    for (consumer, measured) in Consumer::ALL.iter().zip(medians) {
-        let servers: String = (measured.servers_micros.iter())
-            .map(|micros| format!(" {micros:.0} |"))
-            .collect();
-        table.push_str(&format!(
-            "| {} | {:.0} |{servers} {:.0} |\n",
-            consumer.name(),
-            measured.consumer_micros,
-            measured.machine_micros
-        ));
-    }
-    table
-}
-
-/// CPU time used so far, from `/proc` (Linux): this process's, each of the [`SERVERS`]', and
-/// the machine's busy time.
-struct CpuTime {
-    consumer_micros: f64,
-    servers_micros: [f64; SERVERS.len()],
-    machine_micros: f64,
-}
-
-/// `/proc` counts in clock ticks, 100 a second on Linux.
-const MICROS_PER_TICK: f64 = 10_000.0;
-
-impl CpuTime {
-    fn now() -> Self {
-        let process = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-        let consumer = process_ticks(&process);
-        let servers = SERVERS.map(|(_, name)| ticks_of_processes_named(name));
-        // The first line sums every CPU: user nice system idle iowait irq softirq (then
-        // steal, the hypervisor's, left out).
-        let machine = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-        let times: Vec<f64> = machine
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .split_whitespace()
-            .skip(1)
-            .take(7)
-            .filter_map(|field| field.parse().ok())
-            .collect();
-        let idle = times.get(3).unwrap_or(&0.0) + times.get(4).unwrap_or(&0.0);
-        CpuTime {
-            consumer_micros: consumer * MICROS_PER_TICK,
-            servers_micros: servers.map(|ticks| ticks * MICROS_PER_TICK),
-            machine_micros: (times.iter().sum::<f64>() - idle) * MICROS_PER_TICK,
-        }
-    }
-
-    fn since(&self, earlier: &CpuTime) -> CpuTime {
-        CpuTime {
-            consumer_micros: self.consumer_micros - earlier.consumer_micros,
-            servers_micros: std::array::from_fn(|server| {
-                self.servers_micros[server] - earlier.servers_micros[server]
-            }),
-            machine_micros: self.machine_micros - earlier.machine_micros,
-        }
-    }
-}
-
-/// The CPU time, in clock ticks, a process's `/proc/PID/stat` line says it used: past the
-/// command name in parentheses, fields 14 and 15 (utime, stime) are the 12th and 13th.
-fn process_ticks(stat: &str) -> f64 {
-    let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    let ticks = |index: usize| {
-        fields
-            .get(index)
-            .and_then(|field| field.parse().ok())
-            .unwrap_or(0.0)
-    };
-    ticks(11) + ticks(12)
-}
-
-/// The CPU time, in clock ticks, every running process named `name` used so far. A process
-/// that ended between two readings takes its time with it: the servers' pools keep theirs.
-fn ticks_of_processes_named(name: &str) -> f64 {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return 0.0;
-    };
-    entries
-        .filter_map(Result::ok)
-        .filter(|entry| {
-            entry
-                .file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .filter_map(|entry| std::fs::read_to_string(entry.path().join("stat")).ok())
-        .filter(|stat| {
-            let comm = stat.split_once('(').and_then(|(_, rest)| rest.rsplit_once(')'));
-            comm.is_some_and(|(comm, _)| comm == name)
-        })
-        .map(|stat| process_ticks(&stat))
-        .sum()
-}

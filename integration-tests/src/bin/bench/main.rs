@@ -33,6 +33,7 @@
 
 mod amqp_end_to_end;
 mod chart;
+mod cpu;
 mod http_endpoint;
 mod machine;
 mod measure;

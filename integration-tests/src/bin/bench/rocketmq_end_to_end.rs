@@ -1,68 +1,105 @@
 //! `rocketmq`: end-to-end messages per second through RocketMQ's concurrent listener with the
 //! full stack (the Redis flag with the record behind it and the Redis lock as one tier, and the PostgreSQL
 //! record, each message's handler writing a row in the record's transaction), the record one
-//! transaction per message and batched, next to a raw listener that only counts. All on the
+//! transaction per message and batched, and batched with a batch handler writing a batch's
+//! rows in one statement, next to a raw listener that only counts. All on the
 //! same broker and topic, each consumer group reading it from its first offset, with batches of
-//! up to [`BATCH`] messages per listener call.
+//! up to [`BATCH`] messages per listener call. Beside each rate: the CPU each message cost the
+//! bench process (the consumer), the broker, Redis and PostgreSQL, from `/proc`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use integration_tests::postgres::{RecordMode, ScratchSchema, insert_stock_move, pool, schema_pool};
+use integration_tests::postgres::{
+    BoxedStack, ScratchSchema, boxed, insert_stock_move, pool, schema_pool, stock_moves,
+};
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::rocketmq::ScratchRocketMq;
 use integration_tests::{redis_connection, unique};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::flag_lock::FlagLockLayer;
 use oncely::lock::{LockLayer, RedisLockStore};
-use oncely::{Envelope, HandlerError, KeyExtractor, Route, handler_fn};
+use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer};
+use oncely::tier::BoxFuture;
+use oncely::{Envelope, HandlerError, HandlerFn, KeyExtractor, Route, handler_fn};
 use oncely_rocketmq::ConcurrentListener;
 use oncely_rocketmq::rocketmq_client_rust::{
     ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus,
 };
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::runtime::Handle;
-use tower::ServiceBuilder;
+use tower::{Layer, ServiceBuilder};
 
+use crate::cpu::{CpuTime, Server, cpu_table};
 use crate::measure::median;
 use crate::report::{Plot, Report, Row, Section, Target};
 
 /// Messages on the topic, sent once before the first measurement.
-const MESSAGES: usize = 10_000;
+const MESSAGES: usize = 40_000;
+/// Messages per batch the topic is filled with.
+const SEND_BATCH: usize = 100;
 /// `consume_message_batch_max_size` of every consumer measured.
 const BATCH: u32 = 16;
 /// Each listener is measured this many times, in turn with the others; the median is kept.
 const ROUNDS: usize = 2;
+
+/// The servers whose CPU the table splits out (RabbitMQ, idle, for what it takes from the
+/// machine: its Erlang schedulers poll).
+const SERVERS: [Server; 4] = [
+    ("RocketMQ broker", "rocketmq-broker"),
+    ("Redis", "redis-server"),
+    ("PostgreSQL", "postgres"),
+    ("RabbitMQ (idle)", "beam.smp"),
+];
 
 /// The listener a measurement reads the topic with.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Listener {
     /// The baseline: counts the messages and acknowledges them.
     Raw,
-    /// oncely's concurrent listener, the full stack, one transaction per message.
-    FullStack,
-    /// The same with the record batched.
-    FullStackBatched,
+    /// oncely's concurrent listener, the full stack with this record and handler.
+    FullStack(Record),
+}
+
+/// The record and handler behind the full stack's Redis tiers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Record {
+    /// One transaction per message, its handler writing the stock move.
+    PerMessage,
+    /// Batched, each message's handler writing its stock move in the batch's transaction.
+    Batched,
+    /// Batched, a batch handler writing the batch's stock moves in one statement: the fast
+    /// exact path.
+    BatchHandler,
 }
 
 impl Listener {
     /// Every listener, the baseline first: the order they take turns in.
-    const ALL: [Listener; 3] = [Listener::Raw, Listener::FullStack, Listener::FullStackBatched];
+    const ALL: [Listener; 4] = [
+        Listener::Raw,
+        Listener::FullStack(Record::PerMessage),
+        Listener::FullStack(Record::Batched),
+        Listener::FullStack(Record::BatchHandler),
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Listener::Raw => "raw listener, counting",
-            Listener::FullStack => "ConcurrentListener, full stack (record per message)",
-            Listener::FullStackBatched => "ConcurrentListener, full stack, batched record",
+            Listener::FullStack(Record::PerMessage) => "ConcurrentListener, full stack (record per message)",
+            Listener::FullStack(Record::Batched) => "ConcurrentListener, full stack, batched record",
+            Listener::FullStack(Record::BatchHandler) => {
+                "ConcurrentListener, full stack, batched record + batch handler"
+            }
         }
     }
 
     /// Messages per second reading the whole topic in a consumer group of its own, from the
     /// first message handled to the last (the group's rebalance before the first is not the
-    /// listener's).
-    async fn measure(self, services: &mut Services) -> f64 {
+    /// listener's), and what each message cost in CPU.
+    async fn measure(self, services: &mut Services) -> (f64, CpuTime<{ SERVERS.len() }>) {
         let clock = Clock::default();
+        let cpu_before = CpuTime::now(&SERVERS);
         let group = unique("oncely_bench_group").replace('-', "_");
         let topic = services.rocketmq.topic.clone();
         // The stack's schema lives until the measurement ends.
@@ -81,16 +118,13 @@ impl Listener {
                     .await;
                 None
             }
-            Listener::FullStack | Listener::FullStackBatched => {
-                let mode = match self {
-                    Listener::FullStackBatched => RecordMode::Batched,
-                    _ => RecordMode::PerDelivery,
-                };
+            Listener::FullStack(record) => {
                 let schema = ScratchSchema::new(&pool(2)).await;
                 schema
                     .execute("CREATE TABLE stock_moves (order_id TEXT NOT NULL)")
                     .await;
-                let route = services.full_stack(&schema, mode, clock.clone()).await;
+                let records = PgTransactionalLayer::new(schema_pool(schema.name(), 16), schema.records());
+                let route = services.full_stack(record.stack(records, clock.clone())).await;
                 let dead_letters = services.rocketmq.dead_letters();
                 let listener = ConcurrentListener::new(route, Handle::current(), dead_letters);
                 services
@@ -101,8 +135,32 @@ impl Listener {
             }
         };
         clock.wait_for(MESSAGES).await;
+        let cpu = CpuTime::now(&SERVERS).per_message_since(&cpu_before, MESSAGES);
         services.rocketmq.stop_consumers().await;
-        clock.rate()
+        (clock.rate(), cpu)
+    }
+}
+
+impl Record {
+    /// `records` in this mode with its handler, which ticks `clock` for each stock move
+    /// written.
+    fn stack(self, records: PgTransactionalLayer, clock: Clock) -> BoxedStack {
+        match self {
+            Record::PerMessage => boxed(records.layer(clock.stock_move_handler())),
+            Record::Batched => boxed(records.batched().layer(clock.stock_move_handler())),
+            Record::BatchHandler => {
+                let batch_handler = move |tx: PgTransaction, batch: Vec<Envelope>| {
+                    let clock = clock.clone();
+                    let messages = batch.len();
+                    Box::pin(async move {
+                        let answer = stock_moves(tx, batch).await?;
+                        clock.tick(messages);
+                        Ok(answer)
+                    }) as BoxFuture<Result<BatchAnswer, HandlerError>>
+                };
+                boxed(records.batched().batch_handler(batch_handler))
+            }
+        }
     }
 }
 
@@ -114,6 +172,21 @@ struct Clock {
 }
 
 impl Clock {
+    /// A handler writing each message's stock move in the record's transaction, then
+    /// ticking this clock.
+    fn stock_move_handler(
+        self,
+    ) -> HandlerFn<impl Fn(Envelope) -> BoxFuture<Result<(), HandlerError>> + Clone> {
+        handler_fn(move |envelope: Envelope| {
+            let clock = self.clone();
+            Box::pin(async move {
+                insert_stock_move(&envelope).await?;
+                clock.tick(1);
+                Ok(())
+            }) as BoxFuture<Result<(), HandlerError>>
+        })
+    }
+
     fn tick(&self, messages: usize) {
         let now = Instant::now();
         let mut span = self.span.lock().expect("not poisoned");
@@ -146,18 +219,25 @@ impl Services {
         let mut rocketmq = ScratchRocketMq::new("bench").await.with_batch_size(BATCH);
         rocketmq.create_topics(4).await;
         let producer = rocketmq.producer();
+        // In batches: one send at a time would take longer than every measurement together.
         let senders: Vec<_> = (0..8)
             .map(|sender| {
                 let (producer, topic) = (producer.clone(), rocketmq.topic.clone());
                 tokio::spawn(async move {
-                    for n in (sender..MESSAGES).step_by(8) {
-                        let body = format!(r#"{{"orderId":"o-{n}","sku":"sku-{n}"}}"#);
-                        let message = integration_tests::rocketmq::message(
-                            &topic,
-                            Some(&format!("o-{n}")),
-                            body.as_bytes(),
-                        );
-                        producer.send(message).await.expect("send");
+                    let mine: Vec<usize> = (sender..MESSAGES).step_by(8).collect();
+                    for batch in mine.chunks(SEND_BATCH) {
+                        let messages = batch
+                            .iter()
+                            .map(|n| {
+                                let body = format!(r#"{{"orderId":"o-{n}","sku":"sku-{n}"}}"#);
+                                integration_tests::rocketmq::message(
+                                    &topic,
+                                    Some(&format!("o-{n}")),
+                                    body.as_bytes(),
+                                )
+                            })
+                            .collect();
+                        producer.send_batch(messages).await.expect("send");
                     }
                 })
             })
@@ -172,38 +252,19 @@ impl Services {
     }
 
     /// The full stack keyed by the message's KEYS, its Redis keys under a prefix of their own,
-    /// with the record in `mode` on `schema`, to a handler writing the stock move in the
-    /// record's transaction and ticking `clock`.
-    async fn full_stack(
-        &self,
-        schema: &ScratchSchema,
-        mode: RecordMode,
-        clock: Clock,
-    ) -> Route<integration_tests::postgres::BoxedStack> {
+    /// in front of `record` (the record and the handler behind it).
+    async fn full_stack(&self, record: BoxedStack) -> Route<BoxedStack> {
         let prefix = unique("bench");
         let flags =
             RedisFlagStore::new(redis_connection(&self.redis.url()).await).with_prefix(prefix.as_str());
         let locks =
             RedisLockStore::new(redis_connection(&self.redis.url()).await).with_prefix(prefix.as_str());
-        let handler = handler_fn(move |envelope: Envelope| {
-            let clock = clock.clone();
-            async move {
-                insert_stock_move(&envelope).await?;
-                clock.tick(1);
-                Ok::<(), HandlerError>(())
-            }
-        });
-        let pool = schema_pool(schema.name(), 16);
         let flag = FlagLayer::new(flags, std::time::Duration::from_secs(600)).with_record_behind();
         let lock = LockLayer::new(locks, KeyExtractor::json_pointer("/sku"));
         let stack = ServiceBuilder::new()
             .layer(FlagLockLayer::new(flag, lock).with_coalescing(64, 1))
-            .service(mode.stack(&pool, schema.records(), handler));
-        Route::new(
-            "bench",
-            KeyExtractor::broker_key(),
-            integration_tests::postgres::boxed(stack),
-        )
+            .service(record);
+        Route::new("bench", KeyExtractor::broker_key(), boxed(stack))
     }
 }
 
@@ -211,27 +272,34 @@ impl Services {
 /// table and the batched full stack's target to `report`.
 pub(crate) async fn run(report: &mut Report) {
     let mut services = Services::start().await;
-    let mut rates = Listener::ALL.map(|_| Vec::new());
+    let mut rounds = Listener::ALL.map(|_| Vec::new());
     for _ in 0..ROUNDS {
-        for (listener, rates) in Listener::ALL.iter().zip(&mut rates) {
-            rates.push(listener.measure(&mut services).await);
+        for (listener, rounds) in Listener::ALL.iter().zip(&mut rounds) {
+            rounds.push(listener.measure(&mut services).await);
         }
     }
     services.rocketmq.shutdown().await;
-    let [raw, measured @ ..] = rates.map(median);
+    let medians = rounds.map(|rounds| {
+        let cpu: Vec<_> = rounds.iter().map(|(_, cpu)| *cpu).collect();
+        (
+            median(rounds.iter().map(|(rate, _)| *rate).collect()),
+            CpuTime::median(&cpu),
+        )
+    });
+    let [(raw, _), measured @ ..] = &medians;
     let rows: Vec<Row> = Listener::ALL[1..]
         .iter()
         .zip(measured)
-        .map(|(listener, per_second)| Row {
+        .map(|(listener, (per_second, _))| Row {
             what: listener.name().into(),
             in_flight: BATCH as usize,
-            per_second,
-            baseline: raw,
+            per_second: *per_second,
+            baseline: *raw,
         })
         .collect();
     report.add_target(Target {
         what: "RocketMQ full stack, batched record",
-        ratio: Row::last_ratio(&rows, Listener::FullStackBatched.name()),
+        ratio: Row::last_ratio(&rows, Listener::FullStack(Record::Batched).name()),
         baseline: "a raw listener that only counts",
         at_least: 0.25,
     });
@@ -240,7 +308,10 @@ pub(crate) async fn run(report: &mut Report) {
         baseline_name: Listener::Raw.name(),
         unit: Some("messages"),
         rows,
-        note: None,
+        note: Some(cpu_table(
+            &SERVERS,
+            (Listener::ALL.iter().zip(&medians)).map(|(listener, (_, cpu))| (listener.name(), cpu)),
+        )),
         plot: Plot::Bars,
     });
 }
