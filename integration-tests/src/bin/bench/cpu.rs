@@ -9,7 +9,8 @@ use crate::measure::median;
 /// ones too.
 pub(crate) type Server = (&'static str, &'static str);
 
-/// CPU time in µs: so far ([`now`](CpuTime::now)), between two readings, or per message.
+/// CPU time in µs: so far ([`now`](CpuTime::now)), or per message between two readings
+/// ([`per_message_since`](CpuTime::per_message_since)).
 #[derive(Clone, Copy)]
 pub(crate) struct CpuTime<const N: usize> {
     /// The bench process's.
@@ -115,7 +116,8 @@ fn process_ticks(stat: &str) -> f64 {
 }
 
 /// The CPU time, in clock ticks, every running process named `name` used so far. A process
-/// that ended between two readings takes its time with it: the servers' pools keep theirs.
+/// that ended between two readings takes its time with it: read both while the processes
+/// measured live (a server's pool, the connections of the stack measured).
 fn ticks_of_processes_named(name: &str) -> f64 {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return 0.0;

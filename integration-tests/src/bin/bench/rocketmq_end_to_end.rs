@@ -4,8 +4,9 @@
 //! transaction per message and batched, and batched with a batch handler writing a batch's
 //! rows in one statement, next to a raw listener that only counts. All on the
 //! same broker and topic, each consumer group reading it from its first offset, with batches of
-//! up to [`BATCH`] messages per listener call. Beside each rate: the CPU each message cost the
-//! bench process (the consumer), the broker, Redis and PostgreSQL, from `/proc`.
+//! up to [`BATCH`] messages per listener call. Under the rates: the CPU each message cost the
+//! bench process (the consumer), the broker, Redis, PostgreSQL, the idle RabbitMQ and the
+//! whole machine, from `/proc`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -99,7 +100,6 @@ impl Listener {
     /// listener's), and what each message cost in CPU.
     async fn measure(self, services: &mut Services) -> (f64, CpuTime<{ SERVERS.len() }>) {
         let clock = Clock::default();
-        let cpu_before = CpuTime::now(&SERVERS);
         let group = unique("oncely_bench_group").replace('-', "_");
         let topic = services.rocketmq.topic.clone();
         // The stack's schema lives until the measurement ends.
@@ -134,8 +134,12 @@ impl Listener {
                 Some(schema)
             }
         };
+        // CPU from the first message handled on, as the rate: neither the consumer's start nor
+        // the group's rebalance, nor a previous measurement's ending processes.
+        clock.wait_for(1).await;
+        let (cpu_before, handled_before) = (CpuTime::now(&SERVERS), clock.handled());
         clock.wait_for(MESSAGES).await;
-        let cpu = CpuTime::now(&SERVERS).per_message_since(&cpu_before, MESSAGES);
+        let cpu = CpuTime::now(&SERVERS).per_message_since(&cpu_before, clock.handled() - handled_before);
         services.rocketmq.stop_consumers().await;
         (clock.rate(), cpu)
     }
@@ -195,8 +199,12 @@ impl Clock {
         self.handled.fetch_add(messages as u64, Ordering::Relaxed);
     }
 
+    fn handled(&self) -> usize {
+        self.handled.load(Ordering::Relaxed) as usize
+    }
+
     async fn wait_for(&self, messages: usize) {
-        while (self.handled.load(Ordering::Relaxed) as usize) < messages {
+        while self.handled() < messages {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
     }
