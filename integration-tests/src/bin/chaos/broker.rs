@@ -84,22 +84,24 @@ impl Broker {
 
     /// True when nothing is left to answer but what the ledger already shows (see the
     /// crate docs), at [`quiet_checks`](Self::quiet_checks) checks in a row, a second apart.
-    /// RabbitMQ: the run's queues are empty. RocketMQ: every key is applied and every
-    /// poison message dead-lettered.
+    /// RabbitMQ: every poison message is dead-lettered and the run's queues are empty.
+    /// RocketMQ: every key is applied and every poison message dead-lettered.
     pub(crate) async fn idle(&self, options: &Options, ledger: &Ledger) -> bool {
         match self {
-            Broker::Amqp(amqp) => amqp.idle().await,
+            Broker::Amqp(amqp) => amqp.idle(options.poison).await,
             Broker::RocketMq(rocketmq) => {
                 ledger.applied_keys >= options.keys as i64 && rocketmq.idle(options.poison)
             }
         }
     }
 
-    /// RabbitMQ: three (the queues stay empty). RocketMQ: fifteen, longer than its first
-    /// retry delay (10 s), so copies sent back meanwhile are answered.
+    /// RabbitMQ: six, longer than a quorum queue's tick (5 s), on which it publishes the count
+    /// `rabbitmqctl` reads, so that every queue's count is a fresh one at least once.
+    /// RocketMQ: fifteen, longer than its first retry delay (10 s), so copies sent back
+    /// meanwhile are answered.
     pub(crate) fn quiet_checks(&self) -> usize {
         match self {
-            Broker::Amqp(_) => 3,
+            Broker::Amqp(_) => 6,
             Broker::RocketMq(_) => 15,
         }
     }
