@@ -101,6 +101,28 @@ pub(crate) fn cpu_table<'a, const N: usize>(
     table
 }
 
+/// A line on what `row`'s target (`at_least` times the raw consumer's `raw_per_second`)
+/// leaves each message of the machine's CPU, against what `cpu` (the row's medians) shows
+/// the servers alone spent. When the servers' part is above that budget, no consumer
+/// however cheap reaches the target on this machine: the stores' own work per message has
+/// to shrink first.
+pub(crate) fn budget_line<const N: usize>(
+    row: &str,
+    at_least: f64,
+    raw_per_second: f64,
+    cpu: &CpuTime<N>,
+) -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |cores| cores.get());
+    let budget = cores as f64 * 1e6 / (at_least * raw_per_second);
+    let servers: f64 = cpu.servers_micros.iter().sum();
+    format!(
+        "- \"{row}\" at its target, {at_least:.2}× the raw {raw_per_second:.0} a second: the machine's \
+         {cores} cores leave {budget:.0} µs of CPU per message. The servers alone spent {servers:.0} µs per \
+         message on it, the consumer {:.0}, the whole machine {:.0}.\n",
+        cpu.consumer_micros, cpu.machine_micros
+    )
+}
+
 /// The CPU time, in clock ticks, a process's `/proc/PID/stat` line says it used: past the
 /// command name in parentheses, fields 14 and 15 (utime, stime) are the 12th and 13th.
 fn process_ticks(stat: &str) -> f64 {

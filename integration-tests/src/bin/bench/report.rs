@@ -178,7 +178,7 @@ impl fmt::Display for Report {
             "# oncely benchmarks\n\n\
              Written by `make bench`; every figure below comes from one run on the machine described, \
              and every ratio compares two figures measured in that same run, taking turns (five \
-             rounds each for the Redis and PostgreSQL tiers, three end to end, medians; one run \
+             rounds each for the Redis and PostgreSQL tiers and end to end, medians; one run \
              each for the pre-filter), so that the machine's own noise hits both sides. Client and \
              servers share the machine's cores: these are ratios to the raw limit of each store \
              here, not absolute capacities.\n\n"
