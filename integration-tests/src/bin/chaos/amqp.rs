@@ -2,8 +2,6 @@
 //! broker's own fault (the consumers' connections closed by the broker), the quiet check
 //! and the dead-letter queue.
 
-use std::sync::Mutex;
-
 use clap::ValueEnum;
 use integration_tests::amqp::{Broker, close_connections_named, connect, drain, scratch_topology};
 use integration_tests::chaos_stack::{ChaosStack, ChaosStore};
@@ -19,7 +17,7 @@ use crate::dead_letters::{DeadLetters, reason_code};
 pub(crate) struct Amqp {
     topology: Topology,
     channel: Channel,
-    dead_letters: Mutex<Vec<BasicGetMessage>>,
+    dead_letters: Vec<BasicGetMessage>,
 }
 
 impl Amqp {
@@ -36,7 +34,7 @@ impl Amqp {
         Amqp {
             topology,
             channel,
-            dead_letters: Mutex::default(),
+            dead_letters: Vec::new(),
         }
     }
 
@@ -80,7 +78,7 @@ impl Amqp {
     /// So a poison message moved from the work queue to the suspect queue between their
     /// ticks is in neither count for seconds, and a run once ended with a poison message one
     /// crash short of its dead letter. Its dead letter is what shows it answered.
-    pub(crate) async fn idle(&self, poison: usize) -> bool {
+    pub(crate) async fn idle(&mut self, poison: usize) -> bool {
         self.take_dead_letters().await;
         if self.dead_letters().poison_at_limit.len() < poison {
             return false;
@@ -94,15 +92,14 @@ impl Amqp {
     }
 
     /// Moves what the dead-letter queue holds into the run's dead letters.
-    async fn take_dead_letters(&self) {
+    async fn take_dead_letters(&mut self) {
         let messages = drain(&self.channel, self.topology.dead_letter_queue()).await;
-        self.dead_letters.lock().expect("not poisoned").extend(messages);
+        self.dead_letters.extend(messages);
     }
 
     /// The dead letters taken so far, sorted.
     fn dead_letters(&self) -> DeadLetters {
-        let messages = self.dead_letters.lock().expect("not poisoned");
-        DeadLetters::sort(messages.iter().map(|message| {
+        DeadLetters::sort(self.dead_letters.iter().map(|message| {
             let code = reason_code(|name| header(message, name));
             (code, &message.delivery.data[..])
         }))
@@ -110,7 +107,7 @@ impl Amqp {
 
     /// Takes every message left in the dead-letter queue and sorts them with those taken
     /// before, then deletes the queues.
-    pub(crate) async fn finish(self) -> DeadLetters {
+    pub(crate) async fn finish(mut self) -> DeadLetters {
         self.take_dead_letters().await;
         let dead = self.dead_letters();
         self.topology

@@ -86,7 +86,7 @@ impl Broker {
     /// crate docs), at [`quiet_checks`](Self::quiet_checks) checks in a row, a second apart.
     /// RabbitMQ: every poison message is dead-lettered and the run's queues are empty.
     /// RocketMQ: every key is applied and every poison message dead-lettered.
-    pub(crate) async fn idle(&self, options: &Options, ledger: &Ledger) -> bool {
+    pub(crate) async fn idle(&mut self, options: &Options, ledger: &Ledger) -> bool {
         match self {
             Broker::Amqp(amqp) => amqp.idle(options.poison).await,
             Broker::RocketMq(rocketmq) => {
@@ -95,13 +95,14 @@ impl Broker {
         }
     }
 
-    /// RabbitMQ: six, longer than a quorum queue's tick (5 s), on which it publishes the count
-    /// `rabbitmqctl` reads, so that every queue's count is a fresh one at least once.
+    /// RabbitMQ: seven, six seconds or more from the first to the last, longer than a quorum
+    /// queue's tick (5 s), on which it publishes the count `rabbitmqctl` reads: every queue's
+    /// count is a fresh one at least once in the window.
     /// RocketMQ: fifteen, longer than its first retry delay (10 s), so copies sent back
     /// meanwhile are answered.
     pub(crate) fn quiet_checks(&self) -> usize {
         match self {
-            Broker::Amqp(_) => 6,
+            Broker::Amqp(_) => 7,
             Broker::RocketMq(_) => 15,
         }
     }

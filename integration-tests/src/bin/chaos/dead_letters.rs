@@ -14,7 +14,7 @@ pub(crate) fn reason_code(metadata: impl FnOnce(&str) -> Option<String>) -> Stri
     metadata(oncely::dead_letter::REASON).unwrap_or_else(|| "no reason".into())
 }
 
-/// What the dead-letter queue or topic held at the end.
+/// What was taken from the dead-letter queue or topic over the run.
 #[derive(Debug, Default)]
 pub(crate) struct DeadLetters {
     /// Dead letters per reason code.

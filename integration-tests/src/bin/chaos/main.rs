@@ -44,10 +44,10 @@
 //! The faults stop once the last message is sent and, with RabbitMQ, every key is applied
 //! (RocketMQ's retries back off to minutes; faults past the last message would only stretch
 //! that tail). The run then waits, without faults, until it is quiet — with RabbitMQ: every
-//! poison message dead-lettered and the queues empty; with RocketMQ, which has no such queue
-//! to watch: every key applied, every poison message dead-lettered, and one broker retry
-//! round (15 s) without a change — or the
-//! time limit passes, and compares the business table with the ledger. Exits 1 if a key is
+//! poison message dead-lettered and the queues empty over a quorum queue's count tick (7
+//! checks); with RocketMQ, which has no such queue to watch: every key applied, every poison
+//! message dead-lettered, and one broker retry round (15 s) without a change — or the time
+//! limit passes, and compares the business table with the ledger. Exits 1 if a key is
 //! missing, applied more than once or applied in part, a poison message was not
 //! dead-lettered as `delivery_limit`, a 5-second window between the first panic and the last
 //! message sent applied nothing (a stalled consumer; windows within a RocketMQ broker
