@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tower::Layer;
 use tower::ServiceBuilder;
 
-use crate::cpu::{CpuTime, Server, budget_line, cpu_table};
+use crate::cpu::{BUDGET_HEADING, CpuTime, Server, budget_line, cpu_table};
 use crate::measure::median;
 use crate::report::{Plot, Report, Row, Section, Target};
 
@@ -356,7 +356,8 @@ struct Measured {
 }
 
 /// Every measured consumer against the raw one, each the median of [`ROUNDS`] taking turns;
-/// adds the table, the CPU per message and the targets to `report`.
+/// adds the table, the CPU per message, the targets and what the full stack's targets leave
+/// a message of the machine's CPU to `report`.
 pub(crate) async fn run(report: &mut Report) {
     let services = Services::start().await;
     let mut rounds = Consumer::ALL.map(|_| Vec::new());
@@ -389,7 +390,7 @@ pub(crate) async fn run(report: &mut Report) {
         baseline: "a raw lapin consumer at prefetch 64",
         at_least: 0.80,
     });
-    let mut budgets = String::from("\nWhat the full stack's targets leave it:\n\n");
+    let mut budgets = String::from(BUDGET_HEADING);
     for (consumer, what, at_least) in [
         (
             Consumer::FullStackBatched,

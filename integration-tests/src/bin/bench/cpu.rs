@@ -101,26 +101,45 @@ pub(crate) fn cpu_table<'a, const N: usize>(
     table
 }
 
+/// The paragraph above the [`budget_line`]s under a CPU table.
+pub(crate) const BUDGET_HEADING: &str = "\nThe CPU per message each target leaves (the machine's cores × 1 s ÷ the \
+     target rate), beside what the row spent at its measured rate:\n\n";
+
 /// A line on what `row`'s target (`at_least` times the raw consumer's `raw_per_second`)
-/// leaves each message of the machine's CPU, against what `cpu` (the row's medians) shows
-/// the servers alone spent. When the servers' part is above that budget, no consumer
-/// however cheap reaches the target on this machine: the stores' own work per message has
-/// to shrink first.
+/// leaves each message of the machine's CPU, beside what `cpu` (the row's medians) shows
+/// the servers' processes, idle ones included, and the consumer spent at the rate the row
+/// reached. Where the servers' part alone is near or above that budget, a cheaper consumer
+/// cannot close the gap: the stores' own work per message has to shrink too.
 pub(crate) fn budget_line<const N: usize>(
     row: &str,
     at_least: f64,
     raw_per_second: f64,
     cpu: &CpuTime<N>,
 ) -> String {
-    let cores = std::thread::available_parallelism().map_or(1, |cores| cores.get());
+    let cores = cores();
     let budget = cores as f64 * 1e6 / (at_least * raw_per_second);
     let servers: f64 = cpu.servers_micros.iter().sum();
     format!(
-        "- \"{row}\" at its target, {at_least:.2}× the raw {raw_per_second:.0} a second: the machine's \
-         {cores} cores leave {budget:.0} µs of CPU per message. The servers alone spent {servers:.0} µs per \
-         message on it, the consumer {:.0}, the whole machine {:.0}.\n",
+        "- \"{row}\" at {at_least:.2}× the raw consumer's {raw_per_second:.0} messages a second: \
+         {budget:.0} µs per message on {cores} cores. At its measured rate the servers' processes \
+         (idle ones included) spent {servers:.0} µs per message, the consumer {:.0}, the whole \
+         machine {:.0}.\n",
         cpu.consumer_micros, cpu.machine_micros
     )
+}
+
+/// The CPUs `/proc/stat` counts (its `cpuN` lines), over which the whole machine's busy
+/// time is read, so that a budget and the machine's figure count the same cores.
+fn cores() -> usize {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let count = stat
+        .lines()
+        .filter(|line| {
+            line.strip_prefix("cpu")
+                .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .count();
+    count.max(1)
 }
 
 /// The CPU time, in clock ticks, a process's `/proc/PID/stat` line says it used: past the

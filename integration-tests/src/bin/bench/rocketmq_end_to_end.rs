@@ -32,7 +32,7 @@ use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::runtime::Handle;
 use tower::{Layer, ServiceBuilder};
 
-use crate::cpu::{CpuTime, Server, budget_line, cpu_table};
+use crate::cpu::{BUDGET_HEADING, CpuTime, Server, budget_line, cpu_table};
 use crate::measure::median;
 use crate::report::{Plot, Report, Row, Section, Target};
 
@@ -277,7 +277,8 @@ impl Services {
 }
 
 /// Every listener against the raw one, each the median of [`ROUNDS`] taking turns; adds the
-/// table and the batched full stack's target to `report`.
+/// table, the CPU per message, the batched full stack's target and what that target leaves
+/// a message of the machine's CPU to `report`.
 pub(crate) async fn run(report: &mut Report) {
     let mut services = Services::start().await;
     let mut rounds = Listener::ALL.map(|_| Vec::new());
@@ -327,7 +328,7 @@ pub(crate) async fn run(report: &mut Report) {
             cpu_table(
                 &SERVERS,
                 (Listener::ALL.iter().zip(&medians)).map(|(listener, (_, cpu))| (listener.name(), cpu)),
-            ) + "\nWhat the target leaves it:\n\n"
+            ) + BUDGET_HEADING
                 + &budget,
         ),
         plot: Plot::Bars,
