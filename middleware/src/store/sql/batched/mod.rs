@@ -294,10 +294,11 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// the tier's own benchmark at 64 in flight, per-delivery handlers ran at 21,100/s on
     /// PostgreSQL and 21,900/s on MariaDB with 4 lanes of 32, against 18,100/s and 17,300/s
     /// with 2 of 64. With a batch handler 2 of 32 matched 2 of 64 within the runs' spread;
-    /// 64 keeps room for fuller batches at higher rates. More lanes did not help the
-    /// per-delivery handlers (later machine, 12 rounds a run): 4 lanes of 32 ran at 0.335× to
-    /// 0.367× (5 runs), 3 at 0.34× and 0.36×, 6 at 0.33× (2), 8 at 0.33× (3), 2 at 0.31×: past
-    /// four the rate fell, on a machine already 90 % busy in that row.
+    /// 64 keeps room for fuller batches at higher rates. Other lane counts did not beat four
+    /// for per-delivery handlers (a later machine, the same stack against the same raw
+    /// consumer, 12 rounds a run; ratios, runs): 4 lanes of 32 at 0.335× to 0.367× (5), 3 at
+    /// 0.342× to 0.357× (2), 6 at 0.328× to 0.330× (2), 8 at 0.326× to 0.330× (3), 2 at 0.313×
+    /// (1), on a machine already about 90 % busy in that row.
     pub fn with_lanes(mut self, lanes: usize) -> Self {
         self.lanes = Some(lanes.max(1));
         self
