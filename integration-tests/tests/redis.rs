@@ -880,6 +880,13 @@ async fn deliver_until_settled(
     panic!("{} deliveries still retried after 100 rounds", pending.len());
 }
 
+/// The shared Redis's clock in microseconds, as the lock seeds a new fencing counter.
+async fn server_micros() -> u64 {
+    let mut connection = redis_connection(&redis_url()).await;
+    let (seconds, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut connection).await.unwrap();
+    seconds * 1_000_000 + micros
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once() {
     let counted = Counted::new(None).await;
@@ -920,6 +927,7 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
         orders.push(order("shared-b", "sku-shared"));
     }
     let deliveries = orders.len();
+    let clock_before = server_micros().await;
     let settled = deliver_until_settled(route, orders).await;
     let called = commands.load(Ordering::SeqCst);
 
@@ -946,7 +954,14 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
         .map(|n| format!("sku-{n}"))
         .chain(["sku-shared".to_owned()])
     {
-        assert_eq!(locks.inspect(&entity).await.unwrap().holder, None, "{entity}");
+        let lock = locks.inspect(&entity).await.unwrap();
+        assert_eq!(lock.holder, None, "{entity}");
+        // New entities acquired in one call share one read of the clock as their seed.
+        let fence = lock.fencing_counter.expect("a fencing counter");
+        assert!(
+            fence > clock_before,
+            "{entity}: fencing counter {fence} not seeded from Redis's clock ({clock_before} µs before)"
+        );
     }
     // Uncoalesced, every delivery makes one claim call and each one let on a settle call.
     assert!(
