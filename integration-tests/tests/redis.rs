@@ -970,6 +970,53 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
     );
 }
 
+/// A coalesced call that acquires the locks of many new entities reads Redis's clock once
+/// for their fencing counters' seed, not once per entity, as the lock's script promises:
+/// counted on a Redis of the test's own, whose command statistics no other test touches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_coalesced_call_seeds_new_fencing_counters_from_one_read_of_the_clock() {
+    let server = ScratchRedis::start();
+    let connection = redis_connection(&server.url()).await;
+    let locks = RedisLockStore::new(connection.clone());
+    let flag = FlagLayer::new(RedisFlagStore::new(connection.clone()), Duration::from_secs(600));
+    let stack = ServiceBuilder::new()
+        .layer(
+            FlagLockLayer::new(flag.with_record_behind(), LockLayer::new(locks.clone(), sku()))
+                .with_coalescing(64, 1),
+        )
+        .service(handler_fn(|_: Envelope| async { Ok::<(), HandlerError>(()) }));
+    let route = Arc::new(Route::new("orders", order_key(), boxed(stack)));
+    let entities = 40;
+    let orders = (0..entities)
+        .map(|n| order(&format!("o-{n}"), &format!("sku-{n}")))
+        .collect();
+    let settled = deliver_until_settled(route, orders).await;
+    assert_eq!(settled.len(), entities);
+
+    for n in 0..entities {
+        let fence = locks.inspect(&format!("sku-{n}")).await.unwrap().fencing_counter;
+        assert!(
+            fence.is_some_and(|fence| fence > 1_000_000),
+            "sku-{n}: {fence:?} not seeded from the clock"
+        );
+    }
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut connection.clone())
+        .await
+        .unwrap();
+    let clock_reads: usize = stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_time:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap());
+    // The first delivery finds the slot free and goes alone; the others share the next calls.
+    assert!(
+        (1..=entities / 8).contains(&clock_reads),
+        "{clock_reads} reads of the clock for {entities} new entities: not one per call"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_of_another_type_fails_its_own_delivery_only_in_a_coalesced_call() {
     let connection = redis_connection(&redis_url()).await;

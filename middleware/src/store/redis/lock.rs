@@ -16,11 +16,11 @@ use crate::token::Token;
 /// from 0: a counter lost with Redis (a flush, a restart without persistence) must not hand
 /// out tokens older than those a business store already saw, and one entity is never locked
 /// a million times a second. (Lua numbers are doubles, so the seed is built as a string.)
-/// Seeding only then keeps the common acquire at two commands, and a new entity's at four.
-/// The clock is read once per script call: a joint script acquiring for many deliveries
-/// (see [`flag_lock`](super::flag_lock)) seeds every new entity of the call from one `TIME`,
-/// which spares Redis a command per new entity after the first (seeds of different
-/// entities need not differ, and a second acquire of one entity finds its counter).
+/// Seeding only then keeps the common acquire at two commands, and a new entity's at most
+/// four. The clock is read once per script call: a joint script acquiring for many
+/// deliveries (see [`flag_lock`](super::flag_lock)) seeds every new entity of the call from
+/// one `TIME`, so a new entity after the first costs three (seeds of different entities
+/// need not differ, and a second acquire of one entity finds its counter).
 pub(super) const LUA_ACQUIRE: &str = r"
 local seed = nil
 local function acquire(lock, fence, token, lease)
