@@ -956,7 +956,8 @@ async fn coalesced_copies_of_one_order_in_one_script_call_run_the_handler_once()
     {
         let lock = locks.inspect(&entity).await.unwrap();
         assert_eq!(lock.holder, None, "{entity}");
-        // New entities acquired in one call share one read of the clock as their seed.
+        // A new entity's counter starts from Redis's clock, not from 1 (how many reads of the
+        // clock a call takes is the next test's).
         let fence = lock.fencing_counter.expect("a fencing counter");
         assert!(
             fence > clock_before,
