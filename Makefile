@@ -28,7 +28,8 @@ CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --
 ## README's first consumer (as the README runs it), `amqp-orders` with the record on MariaDB (it exits
 ## non-zero if an order was applied twice), the payment-callback driver (non-zero if an order was
 ## credited twice or never) and the short chaos runs (RabbitMQ with the record
-## per delivery and batched, the same two with the record on MariaDB, then RocketMQ).
+## per delivery and batched — the batched one at the runner's default prefetch, as users run it,
+## the others at 16 —, the same two with the record on MariaDB, then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
@@ -41,7 +42,7 @@ test: fmt lint doc services
 	RECORD_STORE=mysql $(CARGO) run -q -p amqp-orders --bin consumer -- --drain; \
 	$(CARGO) run -q -p payment-callback --bin driver -- --serve; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT); \
-	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --stack batched; \
+	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --stack batched --default-prefetch; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --store mysql; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT) --store mysql --stack batched; \
 	$(TARGET_DIR)/debug/chaos $(CHAOS_SHORT_ROCKETMQ); \

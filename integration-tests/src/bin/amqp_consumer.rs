@@ -1,5 +1,5 @@
 //! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only|flag-record|batched]
-//! [CONNECTION_NAME] [--drain-ms MS] [--store postgres|mysql]` (started by the AMQP tests and
+//! [CONNECTION_NAME] [--drain-ms MS] [--store postgres|mysql] [--default-prefetch]` (started by the AMQP tests and
 //! `make chaos`, which kill it with SIGKILL mid-run).
 //!
 //! One consumer process of the stock-deduction route: two runners on the queue, each on
@@ -63,6 +63,11 @@ struct Args {
     /// Where the record and the effects are.
     #[arg(long, value_enum, default_value_t = ChaosStore::Postgres)]
     store: ChaosStore,
+    /// The runners keep the runner's default prefetch and concurrency
+    /// (`oncely_amqp::DEFAULT_PREFETCH`) rather than 16: fewer deliveries to redeliver when
+    /// the process is killed, which keeps the tests that kill it short.
+    #[arg(long)]
+    default_prefetch: bool,
 }
 
 /// Runs two runners of `route` on the queue, sharing one suspect gate, until the process is
@@ -78,9 +83,11 @@ where
     let gate = SuspectGate::new();
     let runners: Vec<_> = (0..2)
         .map(|_| {
-            let mut runner = Runner::new(route.clone(), test_topology(&args.queue))
-                .with_prefetch(16)
-                .with_suspect_gate(gate.clone());
+            let mut runner =
+                Runner::new(route.clone(), test_topology(&args.queue)).with_suspect_gate(gate.clone());
+            if !args.default_prefetch {
+                runner = runner.with_prefetch(16);
+            }
             if let Some(idle) = args.drain_ms {
                 runner = runner.with_drain(Duration::from_millis(idle));
             }

@@ -4,13 +4,13 @@
 
 use clap::ValueEnum;
 use integration_tests::amqp::{Broker, close_connections_named, connect, drain, scratch_topology};
-use integration_tests::chaos_stack::{ChaosStack, ChaosStore};
 use lapin::Channel;
 use lapin::message::BasicGetMessage;
 use lapin::types::AMQPValue;
 use oncely_amqp::{Producer, Topology};
 
 use crate::dead_letters::{DeadLetters, reason_code};
+use crate::options::Options;
 
 /// The run's queues, a channel of the run's own to them, and the dead letters taken from
 /// the dead-letter queue so far.
@@ -39,27 +39,30 @@ impl Amqp {
     }
 
     /// The arguments of `amqp_consumer`: the run's queue, its schema (or database) and Redis
-    /// prefix, the stack, the name of its connections, and the store.
+    /// prefix, the stack, the name of its connections, the store, and the prefetch.
     pub(crate) fn consumer_args(
         &self,
         schema: &str,
         prefix: &str,
-        stack: ChaosStack,
-        store: ChaosStore,
+        options: &Options,
         name: &str,
     ) -> Vec<String> {
-        let store = store.to_possible_value().expect("no store is hidden");
-        [
+        let store = options.store.to_possible_value().expect("no store is hidden");
+        let mut args = [
             self.topology.queue(),
             schema,
             prefix,
-            stack.name(),
+            options.stack.name(),
             name,
             "--store",
             store.get_name(),
         ]
         .map(str::to_owned)
-        .to_vec()
+        .to_vec();
+        if options.default_prefetch {
+            args.push("--default-prefetch".to_owned());
+        }
+        args
     }
 
     /// A publisher to the run's queue on a connection of its own.

@@ -55,7 +55,7 @@ impl Broker {
         match self {
             Broker::Amqp(amqp) => (
                 "amqp_consumer",
-                amqp.consumer_args(schema, prefix, options.stack, options.store, name),
+                amqp.consumer_args(schema, prefix, options, name),
                 Vec::new(),
             ),
             Broker::RocketMq(rocketmq) => (

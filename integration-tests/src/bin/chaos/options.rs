@@ -60,6 +60,11 @@ struct Args {
     /// Report, and exit 0 whatever the verdict (the flag-only run is expected to fail).
     #[arg(long)]
     report_only: bool,
+    /// RabbitMQ: the consumers' runners keep the runner's default prefetch and concurrency
+    /// (`oncely_amqp::DEFAULT_PREFETCH`), as a user's do, rather than 16 deliveries in flight
+    /// each; a killed consumer then leaves many more to redeliver.
+    #[arg(long)]
+    default_prefetch: bool,
 }
 
 /// A percentage of handler calls: at most a third, as each of three faults gets it.
@@ -87,6 +92,8 @@ pub(crate) struct Options {
     pub(crate) broker_restart_every: Duration,
     pub(crate) time_limit: Duration,
     pub(crate) report_only: bool,
+    /// RabbitMQ: the runners at the runner's default prefetch rather than 16.
+    pub(crate) default_prefetch: bool,
 }
 
 impl Options {
@@ -111,6 +118,7 @@ impl Options {
             broker_restart_every: Duration::from_secs(45),
             time_limit: Duration::from_secs(600),
             report_only: false,
+            default_prefetch: false,
         }
     }
 
@@ -136,6 +144,7 @@ impl Options {
                 .map_or(defaults.broker_restart_every, |s| Duration::from_secs(s.max(1))),
             time_limit: args.time_limit_s.map_or(defaults.time_limit, Duration::from_secs),
             report_only: args.report_only,
+            default_prefetch: args.default_prefetch,
         };
         options.check()?;
         Ok(options)
@@ -148,6 +157,9 @@ impl Options {
         match (self.broker, self.stack, self.store) {
             (BrokerKind::RocketMq, _, ChaosStore::Mysql) => {
                 Err("--broker rocketmq runs with --store postgres only".into())
+            }
+            (BrokerKind::RocketMq, ..) if self.default_prefetch => {
+                Err("--default-prefetch is RabbitMQ's runner's".into())
             }
             (BrokerKind::RocketMq, ChaosStack::Full, _) => Ok(()),
             (BrokerKind::RocketMq, _, _) => Err("--broker rocketmq runs the full stack only".into()),

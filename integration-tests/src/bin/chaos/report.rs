@@ -10,6 +10,7 @@ use integration_tests::chaos_stack::{
     ChaosStack, DELIVERY_LIMIT as ROUTE_DELIVERY_LIMIT, HANDLER_TIMEOUT, HandlerFault,
 };
 use integration_tests::thousands;
+use oncely_amqp::DEFAULT_PREFETCH;
 
 use crate::dead_letters::{DELIVERY_LIMIT, DeadLetters};
 use crate::faults::Fault;
@@ -202,6 +203,18 @@ impl Report {
 
     /// The broker and the stack the run went through.
     fn title(&self) -> String {
+        let stack = self.stack();
+        match (self.options.broker, self.options.default_prefetch) {
+            (BrokerKind::Amqp, true) => {
+                format!("{stack}; the runner's default prefetch ({DEFAULT_PREFETCH})")
+            }
+            (BrokerKind::Amqp, false) => format!("{stack}; prefetch 16"),
+            (BrokerKind::RocketMq, _) => stack,
+        }
+    }
+
+    /// The tiers of the run's consumers.
+    fn stack(&self) -> String {
         let timeout = HANDLER_TIMEOUT.as_secs_f64();
         let store = self.options.store.name();
         match (self.options.broker, self.options.stack) {
