@@ -88,7 +88,7 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
 pub const DEFAULT_LANES: usize = 4;
 
 /// The most deliveries a batch of per-delivery handlers takes unless configured otherwise
-/// ([`BatchedLayer::with_max_batch`]).
+/// ([`BatchedLayer::with_max_batch`], which says how it was chosen).
 pub const DEFAULT_MAX_BATCH: usize = 32;
 
 /// How many batches run at once with a [`BatchHandler`] unless configured otherwise
@@ -265,16 +265,19 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     /// downstream service that times out), lower it.
     ///
     /// Why per-delivery handlers keep 32 (issue 25, the 2-core development machine, runs of
-    /// 6 rounds taking turns; ratios to the raw lapin consumer): at the RabbitMQ runner's
-    /// 512 in flight, the full stack with 4 lanes of 64 ran at 0.307× to 0.390× (7 runs,
-    /// median 0.361×) against 0.352× and 0.363× with 4 of 32 — inside the runs' spread —
-    /// while the tier's own benchmark at 64 in flight ran 2.73× and 2.82× the per-delivery
-    /// mode with 64 against 2.84× and 2.91× with 32: a lane that finds 64 waiting takes them
-    /// all and runs their handlers one after another while other lanes idle. Sharing what
-    /// waits evenly between the idle lanes cost more than it bought at 512 in flight (0.324×
-    /// and 0.329×, against 0.371× and 0.390× taking it whole in the same runs: small batches
-    /// spend the CPU that full ones save), and, with batches of 64, an even share of at least
-    /// half a batch ran the tier's benchmark at 2.65× and 2.68×.
+    /// 6 rounds taking turns):
+    /// - at the RabbitMQ runner's 512 in flight, the full stack ran at 0.307× to 0.390× the
+    ///   raw lapin consumer with 4 lanes of 64 (7 runs, median 0.361×), against 0.352× and
+    ///   0.363× with 4 lanes of 32: inside the runs' spread;
+    /// - at 64 in flight, the tier's own benchmark ran 2.73× and 2.82× the unbatched
+    ///   transactional record with batches of 64, against 2.84× and 2.91× with 32: there a
+    ///   lane that finds 64 deliveries waiting takes them all and runs their handlers one
+    ///   after another while other lanes idle;
+    /// - sharing what waits evenly between the idle lanes (batches of 64) cost more than it
+    ///   bought at 512 in flight: 0.324× and 0.329× the raw consumer, against 0.371× and
+    ///   0.390× taking it whole in the same runs (small batches spend the CPU that full ones
+    ///   save); an even share of at least half a batch ran the tier's benchmark at 2.65× and
+    ///   2.68× the unbatched record.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = Some(max_batch.max(1));
         self
