@@ -27,9 +27,9 @@ CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --
 ## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks, the
 ## README's first consumer (as the README runs it), `amqp-orders` with the record on MariaDB (it exits
 ## non-zero if an order was applied twice), the payment-callback driver (non-zero if an order was
-## credited twice or never) and the short chaos runs (RabbitMQ with the record
-## per delivery and batched — the batched one at the runner's default prefetch, as users run it,
-## the others at 16 —, the same two with the record on MariaDB, then RocketMQ).
+## credited twice or never) and the short chaos runs (RabbitMQ with the record per delivery at
+## prefetch 16 and batched at the runner's default prefetch, as users run it; the same two on
+## MariaDB, both at 16; then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
 	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
@@ -78,7 +78,8 @@ bench: services
 ## The fault-injection ledger run: 50,000 messages over 10,000 keys and 5 poison messages
 ## through four consumers in two processes (on RabbitMQ 3.10, then again on 4.0) while consumers are killed, Redis restarted and
 ## flushed, PostgreSQL and AMQP connections dropped, and the handler panics, times out or
-## swallows a failed statement on 0.5 % of calls each; then the same with the record batched;
+## swallows a failed statement on 0.5 % of calls each; then the same with the record batched,
+## its runners at prefetch 16 and again at the runner's default (512);
 ## then both again with the record on MariaDB (`MYSQL_URL`), its sessions ended with `KILL`;
 ## then the same through the red-packet shape (the flag with the record behind it, the record, no lock); then with the Redis flag
 ## alone; then 10,000 messages over 2,000 keys through RocketMQ on the rocketmq-points stack,
@@ -91,6 +92,7 @@ chaos: services
 	$(TARGET_DIR)/release/chaos
 	AMQP_ADDR=$(AMQP_ADDR_4) $(TARGET_DIR)/release/chaos
 	$(TARGET_DIR)/release/chaos --stack batched
+	$(TARGET_DIR)/release/chaos --stack batched --default-prefetch
 	$(TARGET_DIR)/release/chaos --store mysql
 	$(TARGET_DIR)/release/chaos --store mysql --stack batched
 	$(TARGET_DIR)/release/chaos --stack flag-record

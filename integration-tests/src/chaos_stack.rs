@@ -45,6 +45,10 @@ use tower::timeout::TimeoutLayer;
 use crate::mysql::lazy_pool_on;
 use crate::postgres::{BoxedStack, RecordMode, boxed, schema_pool};
 
+/// How many deliveries each of `amqp_consumer`'s runners takes at a time unless it runs with
+/// `--default-prefetch` (the runner's default): few to redeliver after a kill.
+pub const CHAOS_PREFETCH: u16 = 16;
+
 /// The environment variable that turns `amqp_consumer` to the chaos stack, and sets the
 /// handler faults of `rocketmq_consumer` (which runs only the chaos stack): the share of
 /// handler calls, in percent, that get each handler fault (`0.5`: one call in 200 panics,

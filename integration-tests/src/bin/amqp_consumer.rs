@@ -1,6 +1,6 @@
 //! Run with: `amqp_consumer QUEUE SCHEMA REDIS_PREFIX [full|flag-only|flag-record|batched]
-//! [CONNECTION_NAME] [--drain-ms MS] [--store postgres|mysql] [--default-prefetch]` (started by the AMQP tests and
-//! `make chaos`, which kill it with SIGKILL mid-run).
+//! [CONNECTION_NAME] [--drain-ms MS] [--store postgres|mysql] [--default-prefetch]` (started by
+//! the AMQP tests and `make chaos`, which kill it with SIGKILL mid-run).
 //!
 //! One consumer process of the stock-deduction route: two runners on the queue, each on
 //! its own connection (named CONNECTION_NAME, so a test can drop exactly these), through the
@@ -28,8 +28,8 @@ use integration_tests::amqp::{
     test_topology,
 };
 use integration_tests::chaos_stack::{
-    ChaosDatabase, ChaosStack, ChaosStore, HandlerFaults, chaos_flag_only_route, chaos_flag_record_route,
-    chaos_orders_route,
+    CHAOS_PREFETCH, ChaosDatabase, ChaosStack, ChaosStore, HandlerFaults, chaos_flag_only_route,
+    chaos_flag_record_route, chaos_orders_route,
 };
 use integration_tests::postgres::{RecordMode, schema_pool};
 use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
@@ -64,8 +64,9 @@ struct Args {
     #[arg(long, value_enum, default_value_t = ChaosStore::Postgres)]
     store: ChaosStore,
     /// The runners keep the runner's default prefetch and concurrency
-    /// (`oncely_amqp::DEFAULT_PREFETCH`) rather than 16: fewer deliveries to redeliver when
-    /// the process is killed, which keeps the tests that kill it short.
+    /// (`oncely_amqp::DEFAULT_PREFETCH`), as a user's do. Without it they take
+    /// [`CHAOS_PREFETCH`] deliveries at a time, so that a kill leaves few to redeliver and
+    /// the tests that kill the process stay short.
     #[arg(long)]
     default_prefetch: bool,
 }
@@ -86,7 +87,7 @@ where
             let mut runner =
                 Runner::new(route.clone(), test_topology(&args.queue)).with_suspect_gate(gate.clone());
             if !args.default_prefetch {
-                runner = runner.with_prefetch(16);
+                runner = runner.with_prefetch(CHAOS_PREFETCH);
             }
             if let Some(idle) = args.drain_ms {
                 runner = runner.with_drain(Duration::from_millis(idle));

@@ -1,7 +1,8 @@
-//! Run with: `make chaos` (the RabbitMQ run of the full stack, the same with the flag alone
-//! for comparison, then the RocketMQ run), or `cargo run -p integration-tests --bin chaos --
+//! Run with: `make chaos` (the RabbitMQ runs of every stack, on RabbitMQ 4.0 too, the
+//! batched one also at the runner's default prefetch, the same with the flag alone for
+//! comparison, then the RocketMQ run), or `cargo run -p integration-tests --bin chaos --
 //! [--broker amqp|rocketmq] [--messages N] [--keys K] [--stack full|batched|flag-record|flag-only]
-//! [--store postgres|mysql]
+//! [--store postgres|mysql] [--default-prefetch]
 //! [--rate PER_SECOND] [--fault-every-ms MS] [--broker-restart-every-s S]
 //! [--handler-faults PERCENT] [--poison P] [--time-limit-s S] [--report-only]` (build
 //! `amqp_consumer` and `rocketmq_consumer` first; they are started from the same directory
@@ -13,7 +14,8 @@
 //! what it sent. Two consumer processes run a stack of `integration_tests::chaos_stack`
 //! behind a `tower::timeout`, writing each effect as two rows in two statements:
 //!
-//! - `--broker amqp` (the default): RabbitMQ, two runners per process (`amqp_consumer`) on
+//! - `--broker amqp` (the default): RabbitMQ, two runners per process (`amqp_consumer`, at
+//!   prefetch 16 each, or with `--default-prefetch` the runner's default) on
 //!   the stock-deduction stack (Redis flag, Redis lock, the record on PostgreSQL, or with
 //!   `--store mysql` on MySQL/MariaDB), or with `--stack flag-only` the Redis flag alone;
 //! - `--broker rocketmq`: RocketMQ, one push consumer per process (`rocketmq_consumer`) with

@@ -61,8 +61,8 @@ struct Args {
     #[arg(long)]
     report_only: bool,
     /// RabbitMQ: the consumers' runners keep the runner's default prefetch and concurrency
-    /// (`oncely_amqp::DEFAULT_PREFETCH`), as a user's do, rather than 16 deliveries in flight
-    /// each; a killed consumer then leaves many more to redeliver.
+    /// (`oncely_amqp::DEFAULT_PREFETCH`), as a user's do, rather than `CHAOS_PREFETCH` (16)
+    /// deliveries in flight each; a killed consumer then leaves many more to redeliver.
     #[arg(long)]
     default_prefetch: bool,
 }
@@ -158,9 +158,10 @@ impl Options {
             (BrokerKind::RocketMq, _, ChaosStore::Mysql) => {
                 Err("--broker rocketmq runs with --store postgres only".into())
             }
-            (BrokerKind::RocketMq, ..) if self.default_prefetch => {
-                Err("--default-prefetch is RabbitMQ's runner's".into())
-            }
+            (BrokerKind::RocketMq, ..) if self.default_prefetch => Err(
+                "--broker rocketmq takes no --default-prefetch (it sets the RabbitMQ runners' prefetch)"
+                    .into(),
+            ),
             (BrokerKind::RocketMq, ChaosStack::Full, _) => Ok(()),
             (BrokerKind::RocketMq, _, _) => Err("--broker rocketmq runs the full stack only".into()),
             (BrokerKind::Amqp, ChaosStack::FlagOnly, ChaosStore::Mysql) => {

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use integration_tests::chaos_stack::{
-    ChaosStack, DELIVERY_LIMIT as ROUTE_DELIVERY_LIMIT, HANDLER_TIMEOUT, HandlerFault,
+    CHAOS_PREFETCH, ChaosStack, DELIVERY_LIMIT as ROUTE_DELIVERY_LIMIT, HANDLER_TIMEOUT, HandlerFault,
 };
 use integration_tests::thousands;
 use oncely_amqp::DEFAULT_PREFETCH;
@@ -201,14 +201,14 @@ impl Report {
         format!("{total}: {}", kinds.join(", "))
     }
 
-    /// The broker and the stack the run went through.
+    /// The broker and the stack the run went through and, on RabbitMQ, the runners' prefetch.
     fn title(&self) -> String {
         let stack = self.stack();
         match (self.options.broker, self.options.default_prefetch) {
             (BrokerKind::Amqp, true) => {
                 format!("{stack}; the runner's default prefetch ({DEFAULT_PREFETCH})")
             }
-            (BrokerKind::Amqp, false) => format!("{stack}; prefetch 16"),
+            (BrokerKind::Amqp, false) => format!("{stack}; prefetch {CHAOS_PREFETCH}"),
             (BrokerKind::RocketMq, _) => stack,
         }
     }
