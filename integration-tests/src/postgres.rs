@@ -4,7 +4,7 @@ use deadpool_postgres::tokio_postgres::config::Host;
 use deadpool_postgres::tokio_postgres::{Config, NoTls};
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use oncely::postgres::Table;
-use oncely::record::{BatchAnswer, PgTransaction, PgTransactionalLayer, TransactionSafe};
+use oncely::record::{BatchAnswer, CommitRows, PgTransaction, PgTransactionalLayer, TransactionSafe};
 use oncely::{BoxError, BusinessKey, Envelope, HandlerError, Outcome};
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, ServiceExt};
@@ -145,13 +145,46 @@ pub async fn stock_move(tx: PgTransaction, order: BusinessKey) -> Result<(), Han
     Ok(())
 }
 
+/// The stock moves of many orders (`$1`, an array) in one statement.
+const INSERT_STOCK_MOVES: &str = "INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])";
+
+/// The same effect from a per-delivery handler that leaves its row to the record's commit
+/// ([`PgTransaction::defer`]): the rows of a batch's handlers are written by one `INSERT`
+/// just before the batch commits, instead of a statement per handler.
+pub fn defer_stock_move(envelope: &Envelope) {
+    let tx = envelope
+        .extensions()
+        .get::<PgTransaction>()
+        .expect("the transactional record tier in front");
+    tx.defer(StockMovesAtCommit(vec![envelope.key().as_str().to_owned()]));
+}
+
+/// Stock moves deferred to the record's commit: the orders of every handler in the
+/// transaction, written by one statement.
+struct StockMovesAtCommit(Vec<String>);
+
+impl CommitRows for StockMovesAtCommit {
+    fn absorb(&mut self, more: Self) -> Option<Self> {
+        self.0.extend(more.0);
+        None
+    }
+
+    async fn write(
+        self,
+        client: &deadpool_postgres::Client,
+    ) -> Result<(), deadpool_postgres::tokio_postgres::Error> {
+        // Prepared once per connection, as the batch handler's: not a round trip per batch.
+        let insert = client.prepare_cached(INSERT_STOCK_MOVES).await?;
+        client.execute(&insert, &[&self.0]).await?;
+        Ok(())
+    }
+}
+
 /// The same effect as a batch handler, for `PgBatchedLayer::batch_handler`: one `INSERT`
 /// for the stock moves of the whole batch.
 pub async fn stock_moves(tx: PgTransaction, batch: Vec<Envelope>) -> Result<BatchAnswer, HandlerError> {
     let orders: Vec<&str> = batch.iter().map(|envelope| envelope.key().as_str()).collect();
-    let insert = tx
-        .prepare_cached("INSERT INTO stock_moves (order_id) SELECT unnest($1::text[])")
-        .await?;
+    let insert = tx.prepare_cached(INSERT_STOCK_MOVES).await?;
     tx.execute(&insert, &[&orders]).await?;
     Ok(BatchAnswer::processed())
 }

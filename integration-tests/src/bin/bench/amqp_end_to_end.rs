@@ -1,10 +1,10 @@
 //! `amqp`: end-to-end messages per second through the RabbitMQ runner with no tiers, with
 //! the Redis flag, with the PostgreSQL record alone (per delivery and batched), and with the
 //! full stack (the Redis flag with the record behind it, the Redis lock and the record, on
-//! PostgreSQL and on MySQL/MariaDB) — the record one
-//! transaction per delivery, batched with per-delivery handlers, and batched with a batch
-//! handler — next to a raw lapin consumer that acks each message from its own task. The
-//! runner runs at its defaults (prefetch [`DEFAULT_PREFETCH`]) on a connection of its own
+//! PostgreSQL and on MySQL/MariaDB) — the record one transaction per delivery, batched
+//! with per-delivery handlers (on PostgreSQL also with the handler's row deferred to the
+//! commit), and batched with a batch handler — next to a raw lapin consumer that acks each
+//! message from its own task. The runner runs at its defaults (prefetch [`DEFAULT_PREFETCH`]) on a connection of its own
 //! (`run_with_reconnect`, which batches its acks), the path a user runs; the
 //! raw consumer, the targets' baseline, at [`PREFETCH`], and once more at the runner's
 //! prefetch for scale. Beside each rate: the CPU each message cost the bench process (the
@@ -20,7 +20,8 @@ use futures_lite::StreamExt;
 use integration_tests::amqp::{connect, ready_messages, scratch_topology};
 use integration_tests::mysql::{self, StockDatabase};
 use integration_tests::postgres::{
-    BoxedStack, RecordMode, ScratchSchema, boxed, insert_stock_move, pool, schema_pool, stock_moves,
+    BoxedStack, RecordMode, ScratchSchema, boxed, defer_stock_move, insert_stock_move, pool, schema_pool,
+    stock_moves,
 };
 use integration_tests::redis_server::ScratchRedis;
 use integration_tests::{redis_connection, unique};
@@ -79,6 +80,10 @@ enum Consumer {
     FullStack,
     /// The same with the record batched.
     FullStackBatched,
+    /// The same with the handler deferring its row to the batch's commit
+    /// (`PgTransaction::defer`): one statement per batch writes the rows, as a batch handler
+    /// would, from a per-delivery handler.
+    FullStackBatchedDeferred,
     /// The same with the record batched and a batch handler writing the rows of a batch at
     /// once.
     FullStackBatchHandler,
@@ -94,7 +99,7 @@ enum Consumer {
 
 impl Consumer {
     /// Every consumer, the baseline first: the order they take turns in.
-    const ALL: [Consumer; 15] = [
+    const ALL: [Consumer; 16] = [
         Consumer::RawLapin,
         Consumer::RawLapinAtRunnerPrefetch,
         Consumer::Runner,
@@ -105,6 +110,7 @@ impl Consumer {
         Consumer::FlagRecordBatchHandler,
         Consumer::FullStack,
         Consumer::FullStackBatched,
+        Consumer::FullStackBatchedDeferred,
         Consumer::FullStackBatchHandler,
         Consumer::FullStackBatchHandlerTwoLayers,
         Consumer::MysqlFullStack,
@@ -126,6 +132,9 @@ impl Consumer {
             }
             Consumer::FullStack => "runner, full stack (flag + lock + record per delivery)",
             Consumer::FullStackBatched => "runner, full stack, batched record",
+            Consumer::FullStackBatchedDeferred => {
+                "runner, full stack, batched record, the handler's row deferred to the commit"
+            }
             Consumer::FullStackBatchHandler => "runner, full stack, batched record + batch handler",
             Consumer::FullStackBatchHandlerTwoLayers => {
                 "runner, full stack, batched record + batch handler, flag and lock as two layers"
@@ -198,9 +207,13 @@ impl Consumer {
                 let stack = services.full_stack(records.layer(handler(handled.clone(), Effect::StockMove)));
                 runner_consumer(&services.channel, &topology, stack.await, handled).await
             }
-            Consumer::FullStackBatched => {
+            Consumer::FullStackBatched | Consumer::FullStackBatchedDeferred => {
+                let effect = match self {
+                    Consumer::FullStackBatchedDeferred => Effect::StockMoveAtCommit,
+                    _ => Effect::StockMove,
+                };
                 let records = services.records().batched();
-                let stack = services.full_stack(records.layer(handler(handled.clone(), Effect::StockMove)));
+                let stack = services.full_stack(records.layer(handler(handled.clone(), effect)));
                 runner_consumer(&services.channel, &topology, stack.await, handled).await
             }
             Consumer::FullStackBatchHandler | Consumer::FullStackBatchHandlerTwoLayers => {
@@ -444,6 +457,8 @@ enum Effect {
     None,
     /// A stock move written in the PostgreSQL record's transaction.
     StockMove,
+    /// The same stock move, left to the record's commit (`PgTransaction::defer`).
+    StockMoveAtCommit,
     /// A stock move written in the MySQL/MariaDB record's transaction.
     MysqlStockMove,
 }
@@ -464,6 +479,7 @@ fn handler(
             match effect {
                 Effect::None => {}
                 Effect::StockMove => insert_stock_move(&envelope).await?,
+                Effect::StockMoveAtCommit => defer_stock_move(&envelope),
                 Effect::MysqlStockMove => {
                     let tx = envelope.extensions().get::<MysqlTransaction>().cloned();
                     let tx = tx.expect("the MySQL transactional record in front");

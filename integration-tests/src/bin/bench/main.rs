@@ -16,8 +16,9 @@
 //!   delivery next to batched;
 //! - `amqp` ([`amqp_end_to_end`]): end-to-end messages per second through the RabbitMQ
 //!   runner with no tiers, with the Redis flag, and with the full stack (the record per
-//!   delivery, batched, batched with a batch handler; on PostgreSQL, then on MariaDB), next
-//!   to a raw lapin consumer;
+//!   delivery, batched, batched with a batch handler; on PostgreSQL, then on MariaDB; on
+//!   PostgreSQL also batched with the handler's row deferred to the commit), next to a raw
+//!   lapin consumer;
 //! - `rocketmq` ([`rocketmq_end_to_end`]): end-to-end messages per second through RocketMQ's
 //!   concurrent listener with the full stack, the record per message and batched, next to a
 //!   raw listener;
