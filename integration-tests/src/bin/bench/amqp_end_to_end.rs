@@ -4,11 +4,12 @@
 //! PostgreSQL and on MySQL/MariaDB) — the record one transaction per delivery, batched
 //! with per-delivery handlers (on PostgreSQL also with the handler's row deferred to the
 //! commit), and batched with a batch handler — next to a raw lapin consumer that acks each
-//! message from its own task. The runner runs at its defaults (prefetch [`DEFAULT_PREFETCH`]) on a connection of its own
-//! (`run_with_reconnect`, which batches its acks), the path a user runs; the
-//! raw consumer, the targets' baseline, at [`PREFETCH`], and once more at the runner's
-//! prefetch for scale. Beside each rate: the CPU each message cost the bench process (the
-//! consumer) and the whole machine (RabbitMQ, Redis and the databases too), from `/proc`.
+//! message from its own task. The runner runs at its defaults (prefetch
+//! [`DEFAULT_PREFETCH`]) on a connection of its own (`run_with_reconnect`, which batches its
+//! acks), the path a user runs; the raw consumer, the targets' baseline, at [`PREFETCH`],
+//! and once more at the runner's prefetch for scale. Beside each rate: the CPU each message
+//! cost the bench process (the consumer) and the whole machine (RabbitMQ, Redis and the
+//! databases too), from `/proc`.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
