@@ -47,6 +47,8 @@ pub struct Faults {
     pub throttled: AtomicU32,
     /// Runs that ignore a failed statement (which aborts their transaction) and answer 201.
     pub swallowed: AtomicU32,
+    /// Runs that answer 201 with a body that never ends.
+    pub endless_bodies: AtomicU32,
 }
 
 /// How long a slow run takes.
@@ -121,6 +123,11 @@ impl Shop {
     /// `Idempotency-Key` scoped by tenant, `POST /forms/orders` under one-time tokens issued
     /// by `POST /tokens`.
     pub async fn app(&self, pool: Pool, redis_url: &str) -> Router {
+        self.app_with_timeout(pool, redis_url, HANDLER_TIMEOUT).await
+    }
+
+    /// [`app`](Self::app) with the handler cut off after `timeout`.
+    pub async fn app_with_timeout(&self, pool: Pool, redis_url: &str, timeout: Duration) -> Router {
         let redis = crate::redis_connection(redis_url).await;
         let flag = FlagLayer::new(
             RedisFlagStore::new(redis).with_prefix(self.prefix.clone()),
@@ -132,7 +139,7 @@ impl Shop {
         let responses = PgResponses::new(pool.clone(), &self.schema.records()).expect("a table name");
         let keyed = IdempotencyLayer::new(tiers.clone(), responses.clone(), ClientScope::header(TENANT))
             .with_max_body_len(MAX_BODY)
-            .with_timeout(HANDLER_TIMEOUT)
+            .with_timeout(timeout)
             .with_stored_headers([CONTENT_TYPE, LOCATION]);
         let tokens = PgTokens::new(pool, self.schema.table("form_tokens"));
         let once = IdempotencyLayer::new(tiers, responses, ClientScope::header(TENANT))
@@ -173,6 +180,30 @@ impl Shop {
         Router::new()
             .route("/orders", post(create_order_without_layer))
             .with_state(self.pool.clone())
+    }
+
+    /// Ends the sessions left idle inside a transaction that holds a lock on one of the
+    /// shop's tables — transactions nobody is going to end — and answers how many there
+    /// were. Ended so that a test that finds one fails instead of hanging in its clean-up,
+    /// whose `DROP SCHEMA` would wait for their locks. Asked on a connection of its own, so
+    /// the shop's pool is left as it is.
+    pub async fn end_idle_transactions(&self) -> usize {
+        let client = crate::postgres::pool(1).get().await.expect("a connection");
+        let sessions = "SELECT DISTINCT a.pid FROM pg_stat_activity a \
+             JOIN pg_locks l ON l.pid = a.pid JOIN pg_class c ON c.oid = l.relation \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND a.state LIKE 'idle in transaction%'";
+        let rows = client.query(sessions, &[&self.schema.name()]).await;
+        let pids: Vec<i32> = rows
+            .expect("pg_stat_activity")
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        for pid in &pids {
+            let ended = client.execute("SELECT pg_terminate_backend($1)", &[pid]).await;
+            ended.expect("pg_terminate_backend");
+        }
+        pids.len()
     }
 
     /// The number of effects written.
@@ -219,6 +250,10 @@ async fn create_order(
     }
     if Faults::take(&faults.throttled) {
         return (StatusCode::TOO_MANY_REQUESTS, "slow down").into_response();
+    }
+    if Faults::take(&faults.endless_bodies) {
+        let endless = futures_lite::stream::pending::<Result<Bytes, std::io::Error>>();
+        return (StatusCode::CREATED, axum::body::Body::from_stream(endless)).into_response();
     }
     created(&uri)
 }

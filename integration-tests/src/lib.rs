@@ -8,6 +8,7 @@ pub mod commit_thief;
 pub mod dead_letter;
 pub mod harness;
 pub mod http;
+pub mod logs;
 pub mod mysql;
 pub mod outcomes;
 pub mod postgres;

@@ -148,6 +148,24 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A layer needs a tier that its stack lacks, such as stored responses without the
+    /// transactional record to write them in. Found when the first request comes, where
+    /// only a request can tell: nothing runs until the stack is fixed.
+    #[error("{layer} needs {needed} in its tiers")]
+    MissingTier {
+        /// The layer or store that needs it.
+        layer: String,
+        /// What it needs, and where to put it.
+        needed: String,
+    },
+    /// A table oncely needs does not exist: its migration was not run.
+    #[error("table {table} does not exist: {fix}")]
+    MissingTable {
+        /// The table, as qualified in statements.
+        table: String,
+        /// How to create it.
+        fix: String,
+    },
 }
 
 /// A store failed: what every backend of every tier returns. It names no tier — the tier

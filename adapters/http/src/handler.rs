@@ -20,6 +20,7 @@ use oncely::record::TransactionSafe;
 use oncely::{BoxError, BoxFuture, Envelope, Outcome, RetryReason, Tier};
 use tower_service::Service;
 
+use crate::key::Shown;
 use crate::problem::Problem;
 use crate::response::{ResponseStore, SaveFailure, StoredResponse};
 
@@ -88,6 +89,8 @@ pub(crate) struct RunSettings {
     pub(crate) stored_headers: Arc<[HeaderName]>,
     pub(crate) expiry: Duration,
     pub(crate) timeout: Option<Duration>,
+    /// Set once a misconfiguration was logged at error level.
+    pub(crate) misconfigured: Arc<AtomicBool>,
 }
 
 /// The user's HTTP service at the bottom of an [`IdempotencyLayer`](crate::IdempotencyLayer)'s
@@ -184,6 +187,11 @@ where
             let detail = format!("refused before it ran: {}", refusal.detail());
             return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
         }
+        if let Err(failure) = self.responses.ready(&envelope).await {
+            let failed = self.settings.save_failed(&envelope, failure);
+            exchange.answer(Reply::Problem(failed.problem));
+            return failed.outcome;
+        }
         exchange.started.store(true, Ordering::Release);
         let mut parts = exchange.parts.clone();
         self.responses.lend(&envelope, &mut parts.extensions);
@@ -206,40 +214,43 @@ where
 
     /// The user's response, read whole; a failed, panicked or timed-out run, or a response
     /// over the stored maximum, as the outcome that rolls the tiers back.
+    ///
+    /// The timeout bounds the whole exchange — the call and the reading of the body it
+    /// answers — since a body that never ends holds the record's transaction (its row lock
+    /// and its pooled connection) as surely as a call that never returns.
     async fn respond(
         &self,
         envelope: &Envelope,
         request: Request<Full<Bytes>>,
     ) -> Result<Response<Full<Bytes>>, Failed> {
-        let mut inner = self.inner.clone();
-        let run = async move {
-            poll_fn(|cx| inner.poll_ready(cx)).await?;
-            inner.call(request).await
-        };
-        let run = AssertUnwindSafe(run).catch_unwind();
+        let exchange = AssertUnwindSafe(self.exchange(request)).catch_unwind();
         let answered = match self.settings.timeout {
-            None => run.await,
-            Some(limit) => match tokio::time::timeout(limit, run).await {
+            None => exchange.await,
+            Some(limit) => match tokio::time::timeout(limit, exchange).await {
                 Ok(answered) => answered,
                 Err(_) => {
                     // Dropping the run does not stop a statement it already sent, which
                     // would hold the transaction's rollback behind it (a lock wait, say).
                     self.responses.interrupt(envelope).await;
-                    let detail = format!("the handler did not answer within {limit:?}");
+                    let detail = format!("the handler did not answer, body included, within {limit:?}");
                     return Err(Failed::handler_detail(detail));
                 }
             },
         };
-        let response = match answered {
-            Ok(Ok(response)) => response,
-            Ok(Err(error)) => {
-                return Err(Failed::handler_detail(format!(
-                    "the handler failed: {}",
-                    error.into()
-                )));
-            }
-            Err(panic) => return Err(Failed::handler(panicked(panic.as_ref()))),
+        answered.unwrap_or_else(|panic| Err(Failed::handler(panicked(panic.as_ref()))))
+    }
+
+    /// Calls the user's service on `request` and reads its response's body whole, up to the
+    /// stored maximum.
+    async fn exchange(&self, request: Request<Full<Bytes>>) -> Result<Response<Full<Bytes>>, Failed> {
+        let mut inner = self.inner.clone();
+        let called = async move {
+            poll_fn(|cx| inner.poll_ready(cx)).await?;
+            inner.call(request).await
         };
+        let response = called
+            .await
+            .map_err(|error| Failed::handler_detail(format!("the handler failed: {}", error.into())))?;
         let (parts, body) = response.into_parts();
         let max = self.settings.max_response_len;
         match Limited::new(body, max).collect().await {
@@ -271,11 +282,35 @@ where
             body,
         );
         let saved = self.responses.save(envelope, &stored, self.settings.expiry).await;
-        saved.map_err(|failure| {
-            tracing::warn!(key = %envelope.key(), %failure, "could not store the response; rolling back");
-            match failure {
-                SaveFailure::HandlerAborted(_) => Failed::handler_detail(failure.to_string()),
-                SaveFailure::Store(error) => Failed {
+        saved.map_err(|failure| self.settings.save_failed(envelope, failure))
+    }
+}
+
+impl RunSettings {
+    /// The answer when `envelope`'s response cannot be stored: nothing is committed either
+    /// way. A misconfiguration is logged at error level the first time, then at debug: it
+    /// is the same news on every request until the server is fixed.
+    fn save_failed(&self, envelope: &Envelope, failure: SaveFailure) -> Failed {
+        let key = Shown(envelope.key().as_str());
+        match failure {
+            SaveFailure::Misconfigured(error) => {
+                if !self.misconfigured.swap(true, Ordering::Relaxed) {
+                    tracing::error!(%error, "this endpoint cannot store responses: nothing runs until it is fixed");
+                } else {
+                    tracing::debug!(%key, %error, "refused: the endpoint is misconfigured");
+                }
+                Failed {
+                    outcome: Outcome::retry_later(RetryReason::HandlerFailed, error.to_string(), None),
+                    problem: Problem::Misconfigured,
+                }
+            }
+            SaveFailure::HandlerAborted(_) => {
+                tracing::warn!(%key, %failure, "could not store the response; rolling back");
+                Failed::handler_detail(failure.to_string())
+            }
+            SaveFailure::Store(error) => {
+                tracing::warn!(%key, %error, "could not store the response; rolling back");
+                Failed {
                     outcome: Outcome::retry_later(
                         RetryReason::StoreUnavailable(Tier::Record),
                         error.to_string(),
@@ -284,9 +319,9 @@ where
                     problem: Problem::StoreUnavailable {
                         retry_after: Duration::from_secs(1),
                     },
-                },
+                }
             }
-        })
+        }
     }
 }
 
@@ -356,6 +391,7 @@ mod tests {
             stored_headers: Arc::from([]),
             expiry: Duration::from_secs(60),
             timeout: None,
+            misconfigured: Arc::default(),
         };
         let mut handler = HttpHandler::new(service, MemoryResponses::new(), Arc::new(settings));
         let (parts, ()) = Request::new(()).into_parts();

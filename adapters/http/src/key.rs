@@ -1,8 +1,11 @@
 //! The `Idempotency-Key` header, and the business key a request is remembered under.
 
+use std::fmt;
+
 use http::HeaderMap;
 use http::header::HeaderName;
 
+use crate::client::{SHOWN_SCOPE_LEN, shown};
 use crate::problem::Problem;
 
 /// The request header that carries the key (draft-ietf-httpapi-idempotency-key-header-07).
@@ -90,20 +93,29 @@ fn is_bare(byte: u8) -> bool {
     matches!(byte, 0x21..=0x7e) && !matches!(byte, b'"' | b'\\' | b',' | b';')
 }
 
-/// The business key of `key` sent by `client`: the client's identity first, with `%` and
-/// `:` escaped so that no two (client, key) pairs compose the same text.
-pub(crate) fn scoped(client: &str, key: &str) -> String {
-    let mut scoped = String::with_capacity(client.len() + key.len() + 1);
-    for ch in client.chars() {
-        match ch {
-            '%' => scoped.push_str("%25"),
-            ':' => scoped.push_str("%3A"),
-            ch => scoped.push(ch),
-        }
-    }
+/// The business key of `key` sent by the client whose scope is `scope` (32 hex digits, see
+/// [`ClientScope`](crate::ClientScope), or empty when shared): `scope:key`. The scope holds
+/// no colon, so no two (client, key) pairs compose the same text.
+pub(crate) fn scoped(scope: &str, key: &str) -> String {
+    let mut scoped = String::with_capacity(scope.len() + key.len() + 1);
+    scoped.push_str(scope);
     scoped.push(':');
     scoped.push_str(key);
     scoped
+}
+
+/// A scoped key as logs show it: the scope cut to its first eight hex digits.
+pub(crate) struct Shown<'a>(pub(crate) &'a str);
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.split_once(':') {
+            Some((scope, key)) if scope.len() > SHOWN_SCOPE_LEN => {
+                write!(f, "{}…:{key}", shown(scope))
+            }
+            _ => f.write_str(self.0),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -161,9 +173,14 @@ mod tests {
     }
 
     #[test]
-    fn scoping_cannot_merge_two_clients() {
-        assert_ne!(scoped("a:b", "c"), scoped("a", "b:c"));
-        assert_ne!(scoped("a%3Ab", "c"), scoped("a:b", "c"));
-        assert_eq!(scoped("tenant-1", "k"), "tenant-1:k");
+    fn a_scoped_key_is_shown_with_its_scope_cut() {
+        let scope = "9ad33a4371b016b0d5901b55cf0f8e1f";
+        assert_eq!(scoped(scope, "order:42"), format!("{scope}:order:42"));
+        assert_eq!(scoped("", "order-42"), ":order-42");
+        assert_eq!(
+            Shown(&scoped(scope, "order:42")).to_string(),
+            "9ad33a43…:order:42"
+        );
+        assert_eq!(Shown(":order-42").to_string(), ":order-42");
     }
 }

@@ -24,7 +24,7 @@ use tracing::Instrument;
 
 use crate::client::ClientScope;
 use crate::handler::{Exchange, HttpHandler, Reply, RunSettings};
-use crate::key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, read_key, scoped};
+use crate::key::{DEFAULT_MAX_KEY_LEN, IDEMPOTENCY_KEY, Shown, read_key, scoped};
 use crate::problem::Problem;
 use crate::response::ResponseStore;
 use crate::token::{TokenBook, TokenCheck, TokenField};
@@ -169,6 +169,7 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
                     stored_headers: Arc::from([CONTENT_TYPE]),
                     expiry: DEFAULT_EXPIRY,
                     timeout: Some(DEFAULT_TIMEOUT),
+                    misconfigured: Arc::default(),
                 },
             },
         }
@@ -275,7 +276,9 @@ impl<T, R: ResponseStore> IdempotencyLayer<T, R> {
         self
     }
 
-    /// Cuts the handler off after `limit` (default [`DEFAULT_TIMEOUT`]): its future is
+    /// Cuts the handler off after `limit` (default [`DEFAULT_TIMEOUT`]), counted from its
+    /// call to the last byte of the response body it answers (a body that never ends is cut
+    /// off like a call that never returns): its future and its body are
     /// dropped, its running statement cancelled (PostgreSQL), its transaction rolled back,
     /// the client answered [`Problem::HandlerFailed`] and the key released, so a retry runs
     /// it again. This is the way to bound a handler: a `tower` timeout in front of the
@@ -512,7 +515,7 @@ where
         match (outcome, reply) {
             (Outcome::Processed, Some(Reply::Completed(response))) => Ok(response.map(Either::Right)),
             (Outcome::Processed, _) => {
-                tracing::error!(%key, "processed without the handler's response: a tier answered for it");
+                tracing::error!(key = %Shown(key.as_str()), "processed without the handler's response: a tier answered for it");
                 Err(Problem::HandlerFailed)
             }
             (Outcome::Duplicate { .. }, _) => self.replay(key).await,
@@ -529,7 +532,7 @@ where
                 // read is what the fingerprint selects of the body.
                 DeadLetterReason::InvalidKey => Problem::BodyInvalid { reason: dead.detail },
                 _ => {
-                    tracing::warn!(%key, %dead, "the stack refused the request");
+                    tracing::warn!(key = %Shown(key.as_str()), %dead, "the stack refused the request");
                     Problem::HandlerFailed
                 }
             }),
@@ -542,7 +545,7 @@ where
             Ok(Some(stored)) => Ok(stored.replay().map(Either::Right)),
             Ok(None) => Err(Problem::ResponseGone),
             Err(error) => {
-                tracing::warn!(%key, %error, "could not read the stored response");
+                tracing::warn!(key = %Shown(key.as_str()), %error, "could not read the stored response");
                 Err(unavailable(None))
             }
         }
@@ -557,11 +560,11 @@ fn retry_problem(key: &BusinessKey, retry: &RetryLater) -> Problem {
             retry_after: retry.delay.unwrap_or(Duration::from_secs(1)),
         },
         RetryReason::HandlerFailed | RetryReason::HandlerPanicked => {
-            tracing::warn!(%key, %retry, "the request failed; nothing was committed");
+            tracing::warn!(key = %Shown(key.as_str()), %retry, "the request failed; nothing was committed");
             Problem::HandlerFailed
         }
         _ => {
-            tracing::warn!(%key, %retry, "a store failed; nothing was committed");
+            tracing::warn!(key = %Shown(key.as_str()), %retry, "a store failed; nothing was committed");
             unavailable(retry.delay)
         }
     }

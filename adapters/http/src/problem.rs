@@ -26,6 +26,7 @@ const TYPE_BASE: &str = "https://docs.rs/oncely-http/latest/oncely_http/enum.Pro
 /// | [`KeyReused`](Problem::KeyReused) | 422 | use a new key for a new payload |
 /// | [`TokenMissing`](Problem::TokenMissing), [`TokenUnknown`](Problem::TokenUnknown) | 400 | fetch a token |
 /// | [`HandlerFailed`](Problem::HandlerFailed), [`ResponseTooLarge`](Problem::ResponseTooLarge) | 500 | retry with the same key: nothing was committed |
+/// | [`Misconfigured`](Problem::Misconfigured) | 500 | retry later with the same key: nothing ran |
 /// | [`StoreUnavailable`](Problem::StoreUnavailable) | 503, `Retry-After` | retry later with the same key (whether it ran is then known) |
 ///
 /// Details never carry a store's or handler's error text (that is logged): they say what
@@ -88,6 +89,10 @@ pub enum Problem {
         /// The largest stored response body, in bytes.
         max: usize,
     },
+    /// The endpoint is configured so that it cannot keep its promise (a stack without the
+    /// transactional record, a table never migrated): nothing ran, and nothing will until
+    /// the server is fixed. The cause is logged at error level.
+    Misconfigured,
     /// A store that must decide is unreachable. Usually nothing ran; when the store went
     /// away during the commit, nobody knows yet: the same key's retry is answered by the
     /// record either way.
@@ -118,7 +123,9 @@ impl Problem {
             Problem::ResponseGone | Problem::TokenExpired => StatusCode::GONE,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Problem::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Problem::HandlerFailed | Problem::ResponseTooLarge { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Problem::HandlerFailed | Problem::ResponseTooLarge { .. } | Problem::Misconfigured => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             Problem::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -141,6 +148,7 @@ impl Problem {
             Problem::TokenExpired => "TokenExpired",
             Problem::HandlerFailed => "HandlerFailed",
             Problem::ResponseTooLarge { .. } => "ResponseTooLarge",
+            Problem::Misconfigured => "Misconfigured",
             Problem::StoreUnavailable { .. } => "StoreUnavailable",
         }
     }
@@ -177,6 +185,9 @@ impl Problem {
             Problem::ResponseTooLarge { max } => format!(
                 "the response is larger than the {max} bytes this endpoint stores; nothing was committed"
             ),
+            Problem::Misconfigured => {
+                "this endpoint is misconfigured; nothing ran, and nothing will until it is fixed".to_owned()
+            }
             Problem::StoreUnavailable { .. } => {
                 "a store is unavailable; retry later with the same key, which tells whether it ran".to_owned()
             }

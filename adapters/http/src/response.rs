@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_ENCODING, CONTENT_TYPE, HeaderName};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
-use oncely::{BusinessKey, Envelope, StoreError};
+use oncely::{BusinessKey, ConfigError, Envelope, StoreError};
 
 use crate::key::REPLAYED;
 
@@ -115,6 +115,11 @@ pub enum SaveFailure {
     /// ([`Problem::StoreUnavailable`](crate::Problem::StoreUnavailable)).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The route is configured so that no response can be stored: the tiers lend no
+    /// record transaction, or the table was never migrated. Logged at error level; the
+    /// client is answered [`Problem::Misconfigured`](crate::Problem::Misconfigured).
+    #[error(transparent)]
+    Misconfigured(#[from] ConfigError),
 }
 
 /// Where a route keeps its stored responses.
@@ -124,6 +129,16 @@ pub enum SaveFailure {
 /// and [`lend`](ResponseStore::lend)s it to the handler, so that the business write, the
 /// stored response and the record commit together or not at all.
 pub trait ResponseStore: Clone + Send + Sync + 'static {
+    /// Checks, before the handler runs, that a response to `envelope` can be stored: that
+    /// the stack lends what [`save`](ResponseStore::save) needs (the record's transaction)
+    /// and that the store's table exists. [`SaveFailure::Misconfigured`] keeps the handler
+    /// from running at all — a handler whose response could not be stored would roll back
+    /// and run again on every retry. Stores that need nothing answer `Ok` (the default).
+    fn ready(&self, envelope: &Envelope) -> impl Future<Output = Result<(), SaveFailure>> + Send {
+        let _ = envelope;
+        std::future::ready(Ok(()))
+    }
+
     /// Puts what the handler needs from the stack into the request's extensions (the
     /// record's open transaction), before the handler runs.
     fn lend(&self, envelope: &Envelope, extensions: &mut http::Extensions);

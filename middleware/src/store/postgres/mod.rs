@@ -30,9 +30,10 @@ pub use migrate::{migrate, migrate_lock, migrate_script, migrate_state};
 pub use names::{Ident, Table};
 pub use status_columns::StatusColumns;
 
-/// True when `error` is PostgreSQL ending a transaction to break a deadlock or a
-/// serialization conflict with another: nothing is wrong with the store, and the same work
-/// in other company (or a moment later) passes.
+/// True when `error` is PostgreSQL ending a transaction, or a statement, to let another
+/// through: a deadlock, a serialization conflict, or a lock wait past `lock_timeout` (55P03,
+/// MySQL's 1205): nothing is wrong with the store, and the same work in other company (or a
+/// moment later) passes.
 pub(crate) fn lost_to_another_transaction(error: &StoreError) -> bool {
     match error {
         StoreError::Failed { source } => source
@@ -42,6 +43,7 @@ pub(crate) fn lost_to_another_transaction(error: &StoreError) -> bool {
                 [
                     SqlState::T_R_DEADLOCK_DETECTED,
                     SqlState::T_R_SERIALIZATION_FAILURE,
+                    SqlState::LOCK_NOT_AVAILABLE,
                 ]
                 .contains(code)
             }),

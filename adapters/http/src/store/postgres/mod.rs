@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,16 +34,25 @@ fn render(migration: &str, table: &Table) -> String {
 /// open transaction is lent to the handler (`Extension<PgTransaction>` in axum) and the
 /// response is written in it as it commits ([`PgTransaction::defer`]: with the batched
 /// record, a batch's responses in one statement), so the business write, the stored
-/// response and the record commit together or not at all. Without that layer in the tiers, every request fails
-/// ([`Problem::StoreUnavailable`](crate::Problem::StoreUnavailable), logged): a response
-/// stored outside the record's transaction could outlive a rolled-back effect, or be lost
-/// after a committed one.
+/// response and the record commit together or not at all. Without that layer in the tiers,
+/// or without the table ([`migrate`](Self::migrate)), every request is refused before its
+/// handler runs ([`Problem::Misconfigured`](crate::Problem::Misconfigured), logged at error
+/// level): a response stored outside the record's transaction could outlive a rolled-back
+/// effect, or be lost after a committed one.
+///
+/// A response is written once: its key's record and it are removed together, and only
+/// once it expired ([`purge_expired`](Self::purge_expired), and oncely's record retention,
+/// which keeps a record while its response lives). Should a key's response exist all the
+/// same when its request commits, the commit fails (500, logged) rather than replace the
+/// answer the first request got.
 #[derive(Clone)]
 pub struct PgResponses {
     pool: Pool,
     table: Table,
     records: Table,
     statements: Arc<Statements>,
+    /// Set once the table was seen to exist.
+    migrated: Arc<AtomicBool>,
 }
 
 struct Statements {
@@ -66,15 +76,15 @@ impl PgResponses {
         let name = format!("{}_responses", records.name().as_str());
         let table = Table::new(records.schema().as_str(), &name)?;
         let statements = Statements {
-            // Every response of a batch in one statement, at the batch's commit.
+            // Every response of a batch in one statement, at the batch's commit. Written
+            // once: a key that already has a response is a bug (its record row was removed
+            // without it), and the unique violation fails the commit rather than replace
+            // the answer its first request got.
             save: format!(
                 "INSERT INTO {table} (message_key, status, headers, body, expires_at) \
                  SELECT key, status, headers, body, now() + make_interval(secs => expiry) \
                  FROM unnest($1::text[], $2::int2[], $3::bytea[], $4::bytea[], $5::float8[]) \
-                   AS saved(key, status, headers, body, expiry) \
-                 ON CONFLICT (message_key) DO UPDATE SET status = EXCLUDED.status, \
-                 headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = now(), \
-                 expires_at = EXCLUDED.expires_at"
+                   AS saved(key, status, headers, body, expiry)"
             )
             .into(),
             load: format!(
@@ -96,10 +106,13 @@ impl PgResponses {
             table,
             records: records.clone(),
             statements: Arc::new(statements),
+            migrated: Arc::default(),
         })
     }
 
-    /// Creates the table (and its schema) if it does not exist. Idempotent.
+    /// Creates the table (and its schema) if it does not exist. Idempotent. Call it when the
+    /// application starts: without the table every request is refused
+    /// ([`Problem::Misconfigured`](crate::Problem::Misconfigured), logged at error level).
     pub async fn migrate(&self) -> Result<(), StoreError> {
         migrate_script(&self.pool, &render(RESPONSES, &self.table)).await
     }
@@ -144,6 +157,30 @@ impl ResponseStore for PgResponses {
         }
     }
 
+    async fn ready(&self, envelope: &Envelope) -> Result<(), SaveFailure> {
+        let Some(transaction) = envelope.extensions().get::<PgTransaction>() else {
+            return Err(missing_record());
+        };
+        if self.migrated.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // Asked once, in the request's own transaction: a check on another pooled
+        // connection could wait for a pool that the record's waiting copies emptied.
+        let row = transaction
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&self.table.to_string()])
+            .await
+            .map_err(StoreError::new)?;
+        if !row.try_get::<_, bool>(0).map_err(StoreError::new)? {
+            return Err(ConfigError::MissingTable {
+                table: self.table.to_string(),
+                fix: "call PgResponses::migrate() when the application starts".to_owned(),
+            }
+            .into());
+        }
+        self.migrated.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
     async fn save(
         &self,
         envelope: &Envelope,
@@ -151,10 +188,7 @@ impl ResponseStore for PgResponses {
         expiry: Duration,
     ) -> Result<(), SaveFailure> {
         let Some(transaction) = envelope.extensions().get::<PgTransaction>() else {
-            return Err(StoreError::malformed(
-                "no record transaction to store the response in: put PgTransactionalLayer in the tiers",
-            )
-            .into());
+            return Err(missing_record());
         };
         // Written as the record commits, with the batch's other responses: see `ResponseRows`.
         transaction.defer(ResponseRows {
@@ -189,6 +223,16 @@ impl ResponseStore for PgResponses {
         })
         .transpose()
     }
+}
+
+/// The failure of a stack that lends no record transaction to store the response in.
+fn missing_record() -> SaveFailure {
+    SaveFailure::Misconfigured(ConfigError::MissingTier {
+        layer: "PgResponses".to_owned(),
+        needed: "PgTransactionalLayer (or its batched mode) innermost, to store each response \
+                 in the record's transaction"
+            .to_owned(),
+    })
 }
 
 /// Responses waiting for their record's commit, one column each: with the batched record,

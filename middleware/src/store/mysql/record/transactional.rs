@@ -206,11 +206,14 @@ impl TierDecision for MysqlTransactionalLayer {
             Ok(answers) => answers.into_iter().next().unwrap_or(Begin::InProgress),
             Err(error) => {
                 transaction.roll_back().await;
+                // A copy that waited for its key's first request until the server gave up
+                // on it (a lock wait timeout, a deadlock) conflicts with a request in
+                // progress: in flight, not a store failure.
                 return match lost_to_another_claim(&error) {
                     true => Ok(Enter::Stop(Outcome::retry_later(
-                        RetryReason::Conflict(Tier::Record),
+                        RetryReason::InFlight(Tier::Record),
                         format!("the claim of key {} lost to a copy's: {error}", request.key),
-                        None,
+                        Some(self.in_flight_delay),
                     ))),
                     false => Err(error),
                 };

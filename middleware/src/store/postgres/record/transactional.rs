@@ -16,7 +16,7 @@ use crate::outcome::{Outcome, RetryReason};
 use crate::record::TransactionSafe;
 use crate::record::{Begin, RecordStatus};
 use crate::store::postgres::claims::{ClaimRequest, Claimed, Statements, claim_batch, to_i64};
-use crate::store::postgres::{Checkout, Table};
+use crate::store::postgres::{Checkout, Table, lost_to_another_transaction};
 pub(super) use crate::store::sql::claim_request;
 use crate::tier::{Enter, Tier, TierDecision, TierService, store_unavailable};
 
@@ -358,8 +358,24 @@ impl TierDecision for PgTransactionalLayer {
     /// behind as a [`PgTransaction`].
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<PgTransactionalTicket>, StoreError> {
         let request = claim_request(envelope);
-        let (transaction, claimed) =
-            open(&self.pool, &self.statements, std::slice::from_ref(&request)).await?;
+        let opened = open(&self.pool, &self.statements, std::slice::from_ref(&request)).await;
+        let (transaction, claimed) = match opened {
+            Ok(opened) => opened,
+            // A copy that waited for its key's first request until the server gave up on it
+            // (a lock timeout, a deadlock) conflicts with a request in progress: in flight,
+            // not a store failure.
+            Err(error) if lost_to_another_transaction(&error) => {
+                return Ok(Enter::Stop(Outcome::retry_later(
+                    RetryReason::InFlight(Tier::Record),
+                    format!(
+                        "the claim of key {} waited on another transaction: {error}",
+                        request.key
+                    ),
+                    Some(self.in_flight_delay),
+                )));
+            }
+            Err(error) => return Err(error),
+        };
         let xid = claimed.transaction_id;
         let begin = claimed.answers.into_iter().next().unwrap_or(Begin::InProgress);
         match (
