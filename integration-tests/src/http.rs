@@ -49,14 +49,20 @@ pub struct Faults {
     pub swallowed: AtomicU32,
     /// Runs that answer 201 with a body that never ends.
     pub endless_bodies: AtomicU32,
+    /// Runs that cut a statement of theirs off after 50 ms (a timeout inside the handler),
+    /// ignore it and answer 201. On MySQL the statement may still run: the run must fail.
+    pub cut_off: AtomicU32,
 }
+
+/// How long a cut-off statement sleeps on the server (it is cut off after 50 ms).
+pub const CUT_OFF_SLEEP: Duration = Duration::from_millis(500);
 
 /// How long a slow run takes.
 pub const SLOW_RUN: Duration = Duration::from_millis(700);
 
 impl Faults {
     /// True, once per count left in `fault`.
-    fn take(fault: &AtomicU32) -> bool {
+    pub(crate) fn take(fault: &AtomicU32) -> bool {
         fault
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
             .is_ok()
@@ -174,6 +180,25 @@ impl Shop {
         orders.with_state(self.faults.clone())
     }
 
+    /// `POST /orders` behind the transactional record alone, one transaction per request,
+    /// cut off after [`HANDLER_TIMEOUT`], on a pool whose sessions wait at most a second for
+    /// a row lock (`lock_timeout`): a copy of a key in flight gives up waiting for it.
+    pub fn impatient_app(&self) -> Router {
+        let url = crate::postgres::database_url();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let schema = self.schema.name();
+        let options = format!("options=-csearch_path%3D{schema}%20-clock_timeout%3D1000");
+        let pool = crate::postgres::pool_on(&format!("{url}{separator}{options}"), 8);
+        let record = PgTransactionalLayer::new(pool.clone(), self.schema.records());
+        let responses = PgResponses::new(pool, &self.schema.records()).expect("a table name");
+        let layer = IdempotencyLayer::new(record, responses, ClientScope::header(TENANT))
+            .with_timeout(HANDLER_TIMEOUT);
+        Router::new()
+            .route("/orders", post(create_order))
+            .layer(layer)
+            .with_state(self.faults.clone())
+    }
+
     /// The same order endpoint without the layer, writing its row on `pool` on its own
     /// (autocommit): what the layer is measured against.
     pub fn plain_app(&self) -> Router {
@@ -238,7 +263,18 @@ async fn create_order(
         let stall = (HANDLER_TIMEOUT * 4).as_secs_f64();
         let _ = tx.execute("SELECT pg_sleep($1)", &[&stall]).await;
     }
+    if Faults::take(&faults.cut_off) {
+        let seconds = CUT_OFF_SLEEP.as_secs_f64();
+        let sleep = async { tx.execute("SELECT pg_sleep($1)", &[&seconds]).await };
+        let _ = tokio::time::timeout(Duration::from_millis(50), sleep).await;
+    }
     drop(tx);
+    after_the_effect(&faults, &uri).await
+}
+
+/// What every order handler does once its effect is written, on any store: maybe a fault,
+/// then [`created`].
+pub(crate) async fn after_the_effect(faults: &Faults, uri: &axum::http::Uri) -> Response {
     if Faults::take(&faults.panics) || Faults::reached(&faults.panic_at_run) {
         panic!("the handler's injected panic");
     }
@@ -255,7 +291,7 @@ async fn create_order(
         let endless = futures_lite::stream::pending::<Result<Bytes, std::io::Error>>();
         return (StatusCode::CREATED, axum::body::Body::from_stream(endless)).into_response();
     }
-    created(&uri)
+    created(uri)
 }
 
 /// The order handler without the layer: the same row, written on its own.
@@ -369,4 +405,71 @@ pub async fn send(request: reqwest::RequestBuilder) -> Answer {
         headers,
         body,
     }
+}
+
+/// An order's body.
+pub const ORDER: &str = r#"{"sku":"tea","quantity":2}"#;
+
+/// Another payload than [`ORDER`].
+pub const OTHER_ORDER: &str = r#"{"sku":"tea","quantity":3}"#;
+
+/// `POST path` as `tenant` with `key` (when given) and `body`.
+pub fn post_as(
+    server: &TestServer,
+    path: &str,
+    tenant: &str,
+    key: Option<&str>,
+    body: &'static str,
+) -> reqwest::RequestBuilder {
+    let request = client()
+        .post(server.url(path))
+        .header(TENANT, tenant)
+        .header("content-type", "application/json")
+        .body(body);
+    match key {
+        Some(key) => request.header("idempotency-key", key),
+        None => request,
+    }
+}
+
+/// The answers to 64 concurrent copies of one order under `key`.
+pub async fn sixty_four_copies(server: &TestServer, key: &str) -> Vec<Answer> {
+    let copies: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(send(post_as(server, "/orders", "acme", Some(key), ORDER))))
+        .collect();
+    let mut answers = Vec::new();
+    for copy in copies {
+        answers.push(copy.await.expect("the request task"));
+    }
+    answers
+}
+
+/// The variant of the problem `answer` is (`KeyInFlight`, …); panics if it is none.
+pub fn problem_type(answer: &Answer) -> String {
+    assert_eq!(
+        answer.headers["content-type"], "application/problem+json",
+        "not a problem: {answer:?}"
+    );
+    let kind = answer.json("type");
+    let kind = kind.as_str().unwrap_or_default();
+    kind.rsplit_once("#variant.")
+        .map(|(_, name)| name.to_owned())
+        .unwrap_or_default()
+}
+
+/// A form submit to `POST /forms/orders` as `tenant` with the one-time `token`.
+pub fn submit(server: &TestServer, tenant: &str, token: &str) -> reqwest::RequestBuilder {
+    client()
+        .post(server.url("/forms/orders"))
+        .header(TENANT, tenant)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("sku=tea&quantity=2&_token={token}"))
+}
+
+/// A fresh one-time token for `tenant`.
+pub async fn fetch_token(server: &TestServer, tenant: &str) -> String {
+    let issued = send(client().post(server.url("/tokens")).header(TENANT, tenant)).await;
+    assert_eq!(issued.status, 201, "{issued:?}");
+    assert_eq!(issued.headers["cache-control"], "no-store");
+    issued.json("token").as_str().expect("a token").to_owned()
 }

@@ -8,6 +8,8 @@ pub mod commit_thief;
 pub mod dead_letter;
 pub mod harness;
 pub mod http;
+pub mod http_mariadb;
+pub mod http_stores;
 pub mod logs;
 pub mod mysql;
 pub mod outcomes;

@@ -20,23 +20,99 @@ pub fn mysql_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
-/// A database no other test uses (`oncely_test_…`, left behind: its name is unique, so
-/// reruns do not see each other's rows), and a pool of up to `size` connections to it.
+/// A database no other test uses, and a pool of up to `size` connections to it. The
+/// database is dropped with everything in it when the calling thread ends — the test's,
+/// or its runtime's worker — even if the test panicked: the store suites' factories answer
+/// a store alone, with nothing to hold a guard.
 pub async fn scratch_database(size: u32) -> MySqlPool {
+    thread_local! {
+        static CREATED_HERE: std::cell::RefCell<Vec<DroppedDatabase>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
     let name = create_scratch_database().await;
-    pool_on(&name, size, None).await
+    let pool = pool_on(&name, size, None).await;
+    CREATED_HERE.with(|created| created.borrow_mut().push(DroppedDatabase(name)));
+    pool
 }
 
-/// Creates a database no other test uses and answers its name.
+/// The prefix of every test database's name; the seconds since the epoch follow, then a
+/// random token.
+const SCRATCH_PREFIX: &str = "oncely_test_";
+
+/// How old a test database must be for a later run to take it for one left behind by a
+/// process that was killed, and drop it.
+const LEFT_BEHIND_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Creates a database no other test uses and answers its name. The first call of a process
+/// drops the test databases that processes killed before their clean-up left behind.
 async fn create_scratch_database() -> String {
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
     let admin = admin_pool().await;
-    let name = format!("oncely_test_{}", oncely::Token::random());
+    SWEPT.get_or_init(|| sweep_left_behind(&admin)).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let name = format!("{SCRATCH_PREFIX}{now}_{}", oncely::Token::random());
     sqlx::raw_sql(&format!("CREATE DATABASE `{name}`"))
         .execute(&admin)
         .await
         .expect("create the test's database");
     admin.close().await;
     name
+}
+
+/// Drops the test databases older than [`LEFT_BEHIND_AFTER`], or named before their names
+/// carried their age: best effort.
+async fn sweep_left_behind(admin: &MySqlPool) {
+    let Ok(names) = sqlx::query_scalar::<_, String>("SHOW DATABASES LIKE 'oncely\\_test\\_%'")
+        .fetch_all(admin)
+        .await
+    else {
+        return;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    for name in names {
+        let created = name
+            .strip_prefix(SCRATCH_PREFIX)
+            .and_then(|rest| rest.split_once('_'))
+            .and_then(|(seconds, _)| seconds.parse::<u64>().ok());
+        if created.is_none_or(|created| now.saturating_sub(created) > LEFT_BEHIND_AFTER.as_secs()) {
+            let _ = drop_database(admin, &name).await;
+        }
+    }
+}
+
+/// Drops `name`, waiting at most 5 s for a session that still holds its tables (a killed
+/// one the server has not reaped): the default wait is a year.
+async fn drop_database(admin: &MySqlPool, name: &str) -> Result<(), sqlx::Error> {
+    let drop = format!("SET SESSION lock_wait_timeout = 5; DROP DATABASE IF EXISTS `{name}`");
+    sqlx::raw_sql(&drop).execute(admin).await.map(|_| ())
+}
+
+/// A test database, dropped when this is dropped.
+#[derive(Debug)]
+pub struct DroppedDatabase(String);
+
+impl DroppedDatabase {
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Drop for DroppedDatabase {
+    fn drop(&mut self) {
+        let name = self.0.clone();
+        crate::clean_up_on_own_thread(|| async move {
+            let admin = admin_pool().await;
+            drop_database(&admin, &name).await?;
+            admin.close().await;
+            Ok(())
+        });
+    }
 }
 
 /// A pool of two connections to `MYSQL_URL` itself (its own default database).
@@ -85,8 +161,9 @@ impl Drop for ScratchDatabase {
     fn drop(&mut self) {
         let name = self.name.clone();
         crate::clean_up_on_own_thread(|| async move {
-            let drop = format!("DROP DATABASE IF EXISTS `{name}`");
-            sqlx::raw_sql(&drop).execute(&admin_pool().await).await?;
+            let admin = admin_pool().await;
+            drop_database(&admin, &name).await?;
+            admin.close().await;
             Ok(())
         });
     }
@@ -140,6 +217,8 @@ pub struct StockDatabase {
     pub name: String,
     /// A pool on it, for the tests' own reads.
     pub pool: MySqlPool,
+    /// Drops the database when the last clone goes.
+    _dropped: std::sync::Arc<DroppedDatabase>,
 }
 
 impl StockDatabase {
@@ -154,7 +233,11 @@ impl StockDatabase {
             .execute(&pool)
             .await
             .expect("create the business table");
-        StockDatabase { name, pool }
+        StockDatabase {
+            _dropped: std::sync::Arc::new(DroppedDatabase(name.clone())),
+            name,
+            pool,
+        }
     }
 
     /// The record table.

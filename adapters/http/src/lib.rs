@@ -18,7 +18,7 @@
 //!   `PgResponses` (feature `postgres`, default) and `MysqlResponses` (feature `mysql`), each
 //!   in its record's transaction; [`MemoryResponses`] for tests.
 //! - [`TokenIssuer`], [`TokenBook`], [`TokenField`]: the one-time token flow;
-//!   [`PgTokens`] keeps the tokens.
+//!   `PgTokens` (feature `postgres`) and `MysqlTokens` (feature `mysql`) keep the tokens.
 //! - [`HttpHandler`]: the user's service at the bottom of the tiers.
 //!
 //! Keys are scoped by the client ([`ClientScope`]); a key's first request
@@ -46,7 +46,7 @@ pub use problem::Problem;
 pub use response::{ResponseStore, SaveFailure, StoredResponse};
 pub use store::memory::MemoryResponses;
 #[cfg(feature = "mysql")]
-pub use store::mysql::MysqlResponses;
+pub use store::mysql::{MysqlResponses, MysqlTokens};
 #[cfg(feature = "postgres")]
 pub use store::postgres::{PgResponses, PgTokens};
 pub use token::{TOKEN_HEADER, TokenBook, TokenCheck, TokenField, TokenIssuer, fresh_token};

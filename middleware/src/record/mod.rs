@@ -41,6 +41,8 @@ pub use crate::store::mysql::admin::MysqlRecordAdmin;
 #[cfg(feature = "mysql")]
 pub use crate::store::mysql::claims::MAX_KEY_BYTES as MYSQL_MAX_KEY_BYTES;
 #[cfg(feature = "mysql")]
+pub use crate::store::mysql::commit_rows::MysqlCommitRows;
+#[cfg(feature = "mysql")]
 pub use crate::store::mysql::record::{
     MysqlBatchHandlerService, MysqlBatchedLayer, MysqlBatchedService, MysqlRecordStore, MysqlRetentionRunner,
     MysqlTransactionalLayer, MysqlTransactionalTicket,

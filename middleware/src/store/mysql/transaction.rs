@@ -20,6 +20,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{ConnectOptions, Connection, Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
 
 use super::claims::{Statements, claim, claim_new_keys};
+use super::commit_rows::{DeferredRows, MysqlCommitRows};
 use super::lost_to_another_transaction;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
@@ -45,6 +46,8 @@ pub(crate) struct OpenTransaction {
     /// A statement of the handler's was cut off before it finished (its future dropped by a
     /// timeout or a `select!` inside the handler): the server may still be running it.
     cut_off: AtomicBool,
+    /// What the handlers deferred to the commit.
+    rows: DeferredRows,
 }
 
 /// How the tier ends a transaction.
@@ -78,6 +81,7 @@ impl OpenTransaction {
             pool: pool.clone(),
             failure: std::sync::Mutex::new(None),
             cut_off: AtomicBool::new(false),
+            rows: DeferredRows::default(),
         })
     }
 
@@ -110,11 +114,8 @@ impl OpenTransaction {
     /// instead: the handler's other writes would otherwise commit with the record although
     /// one of its statements did not apply (or did, unseen).
     pub(crate) async fn commit(&self) -> Result<(), Outcome> {
-        let Some(connection) = self.connection.lock().await.take() else {
-            return Err(store_lost("the transaction's connection was already ended"));
-        };
         if let Some(failure) = self.failure() {
-            let _ = self.end(connection, Ending::Rollback).await;
+            self.roll_back().await;
             return Err(Outcome::retry_later(
                 RetryReason::HandlerFailed,
                 format!(
@@ -123,6 +124,22 @@ impl OpenTransaction {
                 ),
                 None,
             ));
+        }
+        // The deferred rows, written while the connection is still in its slot: should this
+        // future be dropped mid-write, the transaction's drop kills the session.
+        let written = match self.lock().await {
+            Ok(mut slot) => match slot.as_mut() {
+                Some(connection) => self.rows.write(connection).await,
+                None => Err(ended()),
+            },
+            Err(cut_off) => Err(cut_off),
+        };
+        let Some(connection) = self.connection.lock().await.take() else {
+            return Err(store_lost("the transaction's connection was already ended"));
+        };
+        if let Err(error) = written {
+            let _ = self.end(connection, Ending::Rollback).await;
+            return Err(refused_rows(error));
         }
         self.end(connection, Ending::Commit).await.map_err(refused_commit)
     }
@@ -284,6 +301,29 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// The outcome of deferred rows the server refused: a constraint they break is the
+/// handler's (a row written once that exists already is a bug, said at error level), a lost
+/// race another transaction's, anything else the store's.
+fn refused_rows(error: sqlx::Error) -> Outcome {
+    let constraint = match &error {
+        sqlx::Error::Database(database) => database.code().is_some_and(|state| state.starts_with("23")),
+        _ => false,
+    };
+    if constraint {
+        tracing::error!(%error, "rows deferred to the commit break a constraint (a row written once exists already?): nothing was committed");
+    }
+    let reason = match (constraint, lost_to_another_transaction(&error)) {
+        (true, _) => RetryReason::HandlerFailed,
+        (false, true) => RetryReason::Conflict(crate::Tier::Record),
+        (false, false) => RetryReason::StoreUnavailable(crate::Tier::Record),
+    };
+    Outcome::retry_later(
+        reason,
+        format!("the rows deferred to the commit were refused, nothing was committed: {error}"),
+        None,
+    )
+}
+
 /// The outcome of a commit the server refused, or whose answer never came.
 fn refused_commit(error: sqlx::Error) -> Outcome {
     let sqlx::Error::Database(database) = &error else {
@@ -410,6 +450,20 @@ impl crate::handler::Argument<crate::handler::InTransaction> for MysqlTransactio
 }
 
 impl MysqlTransaction {
+    /// Hands `rows` to the tier, to write in this transaction just before it commits,
+    /// gathered with the rows the other handlers of the transaction (a batch's) deferred:
+    /// see [`MysqlCommitRows`] for what that buys and its limits. Dropped unwritten if the
+    /// transaction does not commit.
+    pub fn defer<R: MysqlCommitRows>(&self, rows: R) {
+        self.0.rows.add(rows);
+    }
+
+    /// The first failure of a statement run through this handle (or its clones), if any:
+    /// the transaction will not commit, whatever the handler answers.
+    pub fn failure(&self) -> Option<String> {
+        self.0.failure()
+    }
+
     /// Keeps the failure of a statement run through the handle, if it failed, for the commit
     /// to see.
     fn noted<T>(&self, answer: Result<T, sqlx::Error>) -> Result<T, sqlx::Error> {

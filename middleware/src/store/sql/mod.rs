@@ -9,6 +9,7 @@
 pub(crate) mod admin;
 pub(crate) mod batched;
 pub(crate) mod coalesce;
+pub(crate) mod deferred;
 #[cfg(feature = "prefilter")]
 pub(crate) mod prefilter;
 

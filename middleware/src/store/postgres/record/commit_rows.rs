@@ -1,12 +1,12 @@
 //! Rows the handlers of a record transaction leave for the tier to write as it commits.
 
-use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Mutex, PoisonError};
 
 use deadpool_postgres::Client;
 use deadpool_postgres::tokio_postgres::Error;
+
+use crate::store::sql::deferred::{Deferred, Gathered};
 
 /// Rows a handler hands to the transactional record
 /// ([`PgTransaction::defer`](crate::record::PgTransaction::defer)), written in the record's
@@ -37,9 +37,7 @@ pub trait CommitRows: Send + 'static {
 }
 
 /// A [`CommitRows`] of any type, waiting for the commit.
-trait Pending: Send {
-    fn as_any(&mut self) -> &mut dyn Any;
-
+pub(super) trait Pending: Gathered {
     fn write(
         self: Box<Self>,
         client: &Client,
@@ -47,10 +45,6 @@ trait Pending: Send {
 }
 
 impl<R: CommitRows> Pending for R {
-    fn as_any(&mut self) -> &mut dyn Any {
-        self
-    }
-
     fn write(
         self: Box<Self>,
         client: &Client,
@@ -61,27 +55,17 @@ impl<R: CommitRows> Pending for R {
 
 /// The rows one transaction's handlers deferred, in the order they first did.
 #[derive(Default)]
-pub(super) struct DeferredRows(Mutex<Vec<Box<dyn Pending>>>);
+pub(super) struct DeferredRows(Deferred<dyn Pending>);
 
 impl DeferredRows {
     /// Gathers `rows` into the first deferred rows of its type that absorb them.
-    pub(super) fn add<R: CommitRows>(&self, mut rows: R) {
-        let mut pending = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        for gathered in pending.iter_mut() {
-            if let Some(gathered) = gathered.as_any().downcast_mut::<R>() {
-                match gathered.absorb(rows) {
-                    None => return,
-                    Some(back) => rows = back,
-                }
-            }
-        }
-        pending.push(Box::new(rows));
+    pub(super) fn add<R: CommitRows>(&self, rows: R) {
+        self.0.add(rows, R::absorb, |rows| Box::new(rows));
     }
 
     /// Writes every deferred row on `client`, and forgets them; stops at the first failure.
     pub(super) async fn write(&self, client: &Client) -> Result<(), Error> {
-        let pending = std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner));
-        for rows in pending {
+        for rows in self.0.take() {
             rows.write(client).await?;
         }
         Ok(())

@@ -467,7 +467,12 @@ pub(super) async fn commit(transaction: Arc<RecordTransaction>, xid: i64) -> Res
     // (an aborted or ended transaction) or the store's.
     let client = transaction.client();
     let committed = async {
-        transaction.rows.write(client).await?;
+        if let Err(error) = transaction.rows.write(client).await {
+            if error.code().is_some_and(|code| code.code().starts_with("23")) {
+                tracing::error!(%error, "rows deferred to the commit break a constraint (a row written once exists already?): nothing was committed");
+            }
+            return Err(error);
+        }
         client.batch_execute(&commit_checked(xid)).await
     };
     let error = match committed.await {
