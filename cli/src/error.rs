@@ -12,7 +12,7 @@ use oncely::BoxError;
 #[non_exhaustive]
 pub(crate) enum CliError {
     /// A store or broker did not answer within `--timeout`: unreachable, or overloaded.
-    #[error("{service} at {url} did not answer within {}", humantime::format_duration(*.timeout))]
+    #[error("{service} at {url} did not answer within {}", crate::output::duration(*.timeout))]
     Timeout {
         /// `PostgreSQL`, `MySQL`, `Redis`, `RabbitMQ` or `RocketMQ`.
         service: &'static str,

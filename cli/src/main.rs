@@ -99,18 +99,13 @@ pub(crate) struct Globals {
     /// The record table.
     #[arg(long, global = true, default_value = "consumption_record")]
     table: String,
-    /// The Redis of the flag and lock tiers.
-    #[arg(
-        long,
-        global = true,
-        env = "REDIS_URL",
-        hide_env_values = true,
-        default_value = "redis://127.0.0.1:6379"
-    )]
-    redis_url: String,
-    /// The Redis key prefix the routes use.
-    #[arg(long, global = true, default_value = oncely::DEFAULT_REDIS_PREFIX)]
-    redis_prefix: String,
+    /// The Redis of the flag and lock tiers. `inspect` asks Redis only when this, or
+    /// --redis-prefix, or --entity is given: a stack without Redis tiers has nothing there.
+    #[arg(long, global = true, env = "REDIS_URL", hide_env_values = true)]
+    redis_url: Option<String>,
+    /// The Redis key prefix the routes use [default: oncely].
+    #[arg(long, global = true)]
+    redis_prefix: Option<String>,
     /// The RabbitMQ of the dead letters.
     #[arg(
         long,
@@ -182,11 +177,45 @@ enum Command {
 /// `inspect`'s arguments.
 #[derive(Debug, Args)]
 pub(crate) struct InspectArgs {
-    /// The business key, as the route extracts it.
+    /// The business key, as the route extracts it; for an HTTP route (oncely-http), the
+    /// client's `Idempotency-Key` or token, with --client.
     key: String,
     /// Also show the lock of this entity (the lock tier's key, e.g. the SKU).
     #[arg(long)]
     entity: Option<String>,
+    /// The client whose key KEY is, on an HTTP route that scopes keys by client
+    /// (`ClientScope`): the identity the route reads, e.g. the API key. Looked up as the
+    /// route stores it, scoped by its hash.
+    #[arg(long)]
+    client: Option<String>,
+    /// The secret the route's `ClientScope::with_secret` hashes identities with, if it has
+    /// one (with --client).
+    #[arg(
+        long,
+        env = "ONCELY_CLIENT_SECRET",
+        hide_env_values = true,
+        requires = "client"
+    )]
+    client_secret: Option<String>,
+}
+
+impl Globals {
+    /// The Redis to ask, if any was named (`--redis-url`, `REDIS_URL`, `--redis-prefix`), or
+    /// `asked` says so anyway: its URL, by default Redis on this machine.
+    pub(crate) fn redis_url(&self, asked: bool) -> Option<&str> {
+        match (&self.redis_url, asked || self.redis_prefix.is_some()) {
+            (Some(url), _) => Some(url),
+            (None, true) => Some("redis://127.0.0.1:6379"),
+            (None, false) => None,
+        }
+    }
+
+    /// The Redis key prefix the routes use.
+    pub(crate) fn redis_prefix(&self) -> &str {
+        self.redis_prefix
+            .as_deref()
+            .unwrap_or(oncely::DEFAULT_REDIS_PREFIX)
+    }
 }
 
 /// `release` and `mark-done`'s arguments.

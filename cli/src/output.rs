@@ -67,15 +67,56 @@ pub(crate) fn when_opt(at: Option<SystemTime>) -> String {
     at.map_or_else(|| "-".to_owned(), when)
 }
 
-/// `duration` in its two largest units (`3h 12m`, `9days 13h`; milliseconds below a
+/// `duration` in its two largest units (`3h 12m`, `9 days 13h`; milliseconds below a
 /// second), for people.
 pub(crate) fn rounded(duration: Duration) -> String {
     let rounded = match duration < Duration::from_secs(1) {
         true => Duration::from_millis(duration.as_millis() as u64),
         false => Duration::from_secs(duration.as_secs()),
     };
-    let text = humantime::format_duration(rounded).to_string();
-    text.split(' ').take(2).collect::<Vec<_>>().join(" ")
+    let text = self::duration(rounded);
+    let mut parts = text.split(' ').peekable();
+    let mut kept = Vec::new();
+    // A unit spelt as a word (`8 days`) is two parts, a number and its word.
+    while kept.len() < 2 {
+        let Some(part) = parts.next() else { break };
+        match parts.peek() {
+            Some(word) if word.starts_with(|c: char| c.is_ascii_alphabetic()) => {
+                kept.push(format!("{part} {}", parts.next().unwrap_or_default()));
+            }
+            _ => kept.push(part.to_owned()),
+        }
+    }
+    kept.join(" ")
+}
+
+/// `duration` as humantime writes it, with a space before a unit spelt as a word: `8 days
+/// 13h 2m`, `1 month 2 days`, where humantime writes `8days 13h 2m`.
+pub(crate) fn duration(duration: Duration) -> String {
+    humantime::format_duration(duration)
+        .to_string()
+        .split(' ')
+        .map(|part| {
+            let digits = part.find(|c: char| !c.is_ascii_digit()).unwrap_or(part.len());
+            match part[digits..].len() > 2 {
+                true => format!("{} {}", &part[..digits], &part[digits..]),
+                false => part.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `key` as reports show it: a client's scope in front of an HTTP route's key (32 hex
+/// digits and a colon, oncely-http's `ClientScope`) cut to its first eight digits, as the
+/// route's logs show it.
+pub(crate) fn shown_key(key: &str) -> String {
+    match key.split_once(':') {
+        Some((scope, rest)) if scope.len() == 32 && scope.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            format!("{}…:{rest}", &scope[..8])
+        }
+        _ => key.to_owned(),
+    }
 }
 
 /// `text` cut to `max` characters, with `…` where it was cut: for table cells.
@@ -127,5 +168,24 @@ pub(crate) async fn confirm(question: String, yes: bool) -> Result<(), CliError>
     match answer.trim().to_ascii_lowercase().as_str() {
         "y" | "yes" => Ok(()),
         _ => Err(CliError::Declined),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_put_a_space_before_a_unit_spelt_as_a_word() {
+        let day = 24 * 3600;
+        assert_eq!(duration(Duration::from_secs(8 * day)), "8 days");
+        assert_eq!(duration(Duration::from_secs(day + 3600 + 60)), "1 day 1h 1m");
+        assert_eq!(duration(Duration::from_secs(90 * 60)), "1h 30m");
+        assert_eq!(
+            rounded(Duration::from_secs(9 * day + 13 * 3600 + 7)),
+            "9 days 13h"
+        );
+        assert_eq!(rounded(Duration::from_secs(3 * 3600 + 12 * 60 + 5)), "3h 12m");
+        assert_eq!(rounded(Duration::from_millis(250)), "250ms");
     }
 }

@@ -13,7 +13,7 @@ use oncely::mysql::sqlx::{self, Executor, MySqlConnection, MySqlPool, Row};
 use oncely::postgres::Table;
 use oncely::record::{
     MysqlRecordAdmin, MysqlRecordStore, PgRecordAdmin, PgRecordStore, RecordRow, RecordStats, RecordStatus,
-    Retention, RetentionPass, RetentionStore, StuckReport,
+    ResponseRow, Retention, RetentionPass, RetentionStore, StuckReport,
 };
 use serde::Serialize;
 
@@ -134,6 +134,20 @@ impl Records {
             .await
     }
 
+    /// `key`'s stored HTTP response (oncely-http's, beside the table), if there is one.
+    pub(crate) async fn response(&self, key: &str) -> Result<Option<ResponseRow>, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.response(key)) })
+            .await
+    }
+
+    /// The keys HTTP routes recorded for `key` under a client's scope.
+    pub(crate) async fn scoped_keys(&self, key: &str) -> Result<Vec<String>, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.scoped_keys(key)) })
+            .await
+    }
+
     /// `key`'s row, or [`CliError::NotFound`].
     async fn row(&self, key: &str) -> Result<RecordRow, CliError> {
         self.inspect(key)
@@ -168,6 +182,12 @@ impl Records {
     async fn purgeable(&self, age: Duration) -> Result<u64, CliError> {
         self.remote
             .call(async { on_admin!(self, admin => admin.purgeable(age)) })
+            .await
+    }
+
+    async fn held_by_responses(&self, age: Duration) -> Result<u64, CliError> {
+        self.remote
+            .call(async { on_admin!(self, admin => admin.held_by_responses(age)) })
             .await
     }
 }
@@ -217,7 +237,7 @@ pub(crate) struct RowView {
 impl From<RecordRow> for RowView {
     fn from(row: RecordRow) -> Self {
         RowView {
-            key: row.key.clone(),
+            key: output::shown_key(&row.key),
             status: row.status.as_str(),
             attempts: row.attempts,
             last_error: row.last_error.clone(),
@@ -268,7 +288,7 @@ impl Report for StuckView {
         for view in &self.rows {
             let row = &view.row;
             table.add_row([
-                row.key.clone(),
+                view.key.clone(),
                 row.attempts.to_string(),
                 when_opt(row.lease_until),
                 when(row.created_at),
@@ -479,18 +499,28 @@ struct PurgedView {
     rows: u64,
     batches: u64,
     seconds: f64,
+    /// Rows as old, kept because their stored responses (oncely-http's) still live: each
+    /// goes with its response once that expired.
+    kept_for_responses: u64,
 }
 
 impl Report for PurgedView {
     fn human(&self) -> String {
-        format!(
+        let mut report = format!(
             "purged {} SUCCESS rows older than {} from {} in {} batches, {:.1} s",
             self.rows,
-            humantime::format_duration(Duration::from_millis(self.older_than_ms)),
+            output::duration(Duration::from_millis(self.older_than_ms)),
             self.table,
             self.batches,
             self.seconds
-        )
+        );
+        if self.kept_for_responses > 0 {
+            report.push_str(&format!(
+                "; kept {} whose stored responses still live (each goes with its response once that expired)",
+                self.kept_for_responses
+            ));
+        }
+        report
     }
 }
 
@@ -511,23 +541,25 @@ pub(crate) async fn purge(globals: &Globals, args: &PurgeArgs) -> Result<(), Cli
              (retries, dead letters not replayed yet) would apply their effect again; keep the retention \
              above the retry ladder plus the replay window (README, \"The record's retention\"), or pass \
              --force",
-            humantime::format_duration(age)
+            output::duration(age)
         )));
     }
     let purgeable = records.purgeable(age).await?;
+    let kept_for_responses = records.held_by_responses(age).await?;
     let mut view = PurgedView {
         table: table.clone(),
         older_than_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
         rows: 0,
         batches: 0,
         seconds: 0.0,
+        kept_for_responses,
     };
     if purgeable == 0 {
         return output::print(&view, globals.json);
     }
     let question = format!(
         "purge {purgeable} SUCCESS rows of {table} not updated for {}?",
-        humantime::format_duration(age)
+        output::duration(age)
     );
     output::confirm(question, args.yes).await?;
     let bar = output::progress(purgeable, "purging", globals.json);

@@ -22,18 +22,17 @@ pub(crate) struct RedisStores {
 }
 
 impl RedisStores {
-    /// Connects within `--timeout`; every command is bounded by it too.
-    pub(crate) async fn connect(globals: &Globals) -> Result<Self, CliError> {
-        let remote = Remote::new("Redis", &globals.redis_url, globals.timeout);
-        let client =
-            oncely::redis::Client::open(globals.redis_url.as_str()).map_err(|error| remote.failed(error))?;
+    /// Connects to `url` within `--timeout`; every command is bounded by it too.
+    pub(crate) async fn connect(globals: &Globals, url: &str) -> Result<Self, CliError> {
+        let remote = Remote::new("Redis", url, globals.timeout);
+        let client = oncely::redis::Client::open(url).map_err(|error| remote.failed(error))?;
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(remote.backstop()))
             .set_response_timeout(Some(remote.backstop()));
         let connection = remote
             .call(client.get_multiplexed_async_connection_with_config(&config))
             .await?;
-        let prefix = globals.redis_prefix.as_str();
+        let prefix = globals.redis_prefix();
         Ok(RedisStores {
             flag: RedisFlagStore::new(connection.clone()).with_prefix(prefix),
             lock: RedisLockStore::new(connection).with_prefix(prefix),

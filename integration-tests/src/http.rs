@@ -90,6 +90,10 @@ pub struct Shop {
 /// How long the handler may run before the layer cuts it off.
 pub const HANDLER_TIMEOUT: Duration = Duration::from_millis(1500);
 
+/// How long the shop's stored responses are answered again: 72 h, as the payment-callback
+/// example keeps them.
+pub const RESPONSE_EXPIRY: Duration = Duration::from_secs(72 * 3600);
+
 /// The largest request body the shop accepts.
 pub const MAX_BODY: usize = 64 * 1024;
 
@@ -146,6 +150,7 @@ impl Shop {
         let keyed = IdempotencyLayer::new(tiers.clone(), responses.clone(), ClientScope::header(TENANT))
             .with_max_body_len(MAX_BODY)
             .with_timeout(timeout)
+            .with_expiry(RESPONSE_EXPIRY)
             .with_stored_headers([CONTENT_TYPE, LOCATION]);
         let tokens = PgTokens::new(pool, self.schema.table("form_tokens"));
         let once = IdempotencyLayer::new(tiers, responses, ClientScope::header(TENANT))
@@ -173,9 +178,11 @@ impl Shop {
         let clients = ClientScope::header(TENANT);
         let orders = Router::new().route("/orders", post(create_order));
         let orders = if batched {
-            orders.layer(IdempotencyLayer::new(record.batched(), responses, clients))
+            orders.layer(
+                IdempotencyLayer::new(record.batched(), responses, clients).with_expiry(RESPONSE_EXPIRY),
+            )
         } else {
-            orders.layer(IdempotencyLayer::new(record, responses, clients))
+            orders.layer(IdempotencyLayer::new(record, responses, clients).with_expiry(RESPONSE_EXPIRY))
         };
         orders.with_state(self.faults.clone())
     }
@@ -229,6 +236,28 @@ impl Shop {
             ended.expect("pg_terminate_backend");
         }
         pids.len()
+    }
+
+    /// Every row of every table of the shop's schema, as text.
+    pub async fn dump(&self) -> String {
+        let client = crate::postgres::pool(1).get().await.expect("a connection");
+        let tables = client
+            .query(
+                "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
+                &[&self.schema.name()],
+            )
+            .await
+            .expect("the shop's tables");
+        let mut dump = String::new();
+        for table in tables {
+            let table: String = table.get(0);
+            let rows = format!("SELECT t::text FROM \"{}\".\"{table}\" t", self.schema.name());
+            for row in client.query(&rows, &[]).await.expect("a table's rows") {
+                dump.push_str(&row.get::<_, String>(0));
+                dump.push('\n');
+            }
+        }
+        dump
     }
 
     /// The number of effects written.

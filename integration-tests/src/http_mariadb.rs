@@ -18,7 +18,9 @@ use oncely::record::{MysqlTransaction, MysqlTransactionalLayer};
 use oncely_http::{ClientScope, IdempotencyLayer, MysqlResponses, MysqlTokens, TokenField, TokenIssuer};
 use tower::ServiceBuilder;
 
-use crate::http::{CUT_OFF_SLEEP, Faults, HANDLER_TIMEOUT, MAX_BODY, TENANT, after_the_effect};
+use crate::http::{
+    CUT_OFF_SLEEP, Faults, HANDLER_TIMEOUT, MAX_BODY, RESPONSE_EXPIRY, TENANT, after_the_effect,
+};
 use crate::mysql::StockDatabase;
 
 /// The shop on MariaDB: its database (the record, stored responses, tokens and `effects`),
@@ -81,7 +83,8 @@ impl MariaShop {
         let tiers = ServiceBuilder::new().layer(flag).layer(record);
         let keyed = IdempotencyLayer::new(tiers.clone(), self.responses(), ClientScope::header(TENANT))
             .with_max_body_len(MAX_BODY)
-            .with_timeout(timeout);
+            .with_timeout(timeout)
+            .with_expiry(RESPONSE_EXPIRY);
         let once = IdempotencyLayer::new(tiers, self.responses(), ClientScope::header(TENANT))
             .with_one_time_tokens(self.tokens(), TokenField::Form("_token".to_owned()))
             .with_fingerprint(FingerprintPolicy::off());
@@ -108,11 +111,15 @@ impl MariaShop {
         let orders = Router::new().route("/orders", post(create_order));
         let orders = match batched {
             true => orders.layer(
-                IdempotencyLayer::new(record.batched(), responses, clients).with_timeout(HANDLER_TIMEOUT),
+                IdempotencyLayer::new(record.batched(), responses, clients)
+                    .with_timeout(HANDLER_TIMEOUT)
+                    .with_expiry(RESPONSE_EXPIRY),
             ),
-            false => {
-                orders.layer(IdempotencyLayer::new(record, responses, clients).with_timeout(HANDLER_TIMEOUT))
-            }
+            false => orders.layer(
+                IdempotencyLayer::new(record, responses, clients)
+                    .with_timeout(HANDLER_TIMEOUT)
+                    .with_expiry(RESPONSE_EXPIRY),
+            ),
         };
         orders.with_state(self.faults.clone())
     }
@@ -143,6 +150,37 @@ impl MariaShop {
             .route("/orders", post(create_order))
             .layer(layer)
             .with_state(self.faults.clone())
+    }
+
+    /// Every row of every table of the shop's database, as text (binary columns as they
+    /// are, read as UTF-8).
+    pub async fn dump(&self) -> String {
+        use sqlx::{Column, Row, ValueRef};
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE()",
+        )
+        .fetch_all(&self.database.pool)
+        .await
+        .expect("the shop's tables");
+        let mut dump = String::new();
+        for table in tables {
+            let rows = sqlx::query(&format!("SELECT * FROM `{table}`"))
+                .fetch_all(&self.database.pool)
+                .await
+                .expect("a table's rows");
+            for row in rows {
+                for column in row.columns() {
+                    let raw = row.try_get_raw(column.ordinal()).expect("a column");
+                    if !raw.is_null() {
+                        let bytes: Vec<u8> = row.try_get_unchecked(column.ordinal()).unwrap_or_default();
+                        dump.push_str(&String::from_utf8_lossy(&bytes));
+                        dump.push(' ');
+                    }
+                }
+                dump.push('\n');
+            }
+        }
+        dump
     }
 
     /// The number of effects written.

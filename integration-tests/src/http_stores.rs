@@ -78,6 +78,28 @@ impl AnyShop {
         }
     }
 
+    /// The arguments that point `oncely` at the shop's record table.
+    pub fn cli_args(&self) -> Vec<String> {
+        match self {
+            AnyShop::Postgres(shop) => vec!["--schema".into(), shop.schema.name().to_owned()],
+            AnyShop::Mariadb(shop) => vec![
+                "--store".into(),
+                "mysql".into(),
+                "--schema".into(),
+                shop.database.name.clone(),
+            ],
+        }
+    }
+
+    /// Every row of every table of the shop's schema or database, as text: what a dump or
+    /// a backup would hold.
+    pub async fn dump(&self) -> String {
+        match self {
+            AnyShop::Postgres(shop) => shop.dump().await,
+            AnyShop::Mariadb(shop) => shop.dump().await,
+        }
+    }
+
     /// The number of effects written.
     pub async fn effects(&self) -> i64 {
         match self {

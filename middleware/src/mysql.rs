@@ -10,4 +10,6 @@
 
 pub use sqlx;
 
-pub use crate::store::mysql::{Ident, StatusColumns, Table, migrate, migrate_lock, migrate_state};
+pub use crate::store::mysql::{
+    Ident, StatusColumns, Table, migrate, migrate_lock, migrate_state, responses_table,
+};

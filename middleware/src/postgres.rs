@@ -5,5 +5,5 @@
 pub use deadpool_postgres;
 
 pub use crate::store::postgres::{
-    Ident, StatusColumns, Table, migrate, migrate_lock, migrate_script, migrate_state,
+    Ident, StatusColumns, Table, migrate, migrate_lock, migrate_script, migrate_state, responses_table,
 };

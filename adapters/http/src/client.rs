@@ -127,6 +127,19 @@ impl ClientScope {
         }
     }
 
+    /// The business key under which a request of the client `identity` with the
+    /// `Idempotency-Key` (or token) `key` is recorded: its scope, a colon, the key. For
+    /// operators' tools (`oncely inspect --client`), which must scope a key as the route
+    /// does: with the same secret, or none. With [`shared`](Self::shared), `identity` is
+    /// ignored.
+    pub fn stored_key(&self, identity: &str, key: &str) -> String {
+        let scope = match &self.read {
+            Scope::Shared => String::new(),
+            Scope::Read(_) => self.hash_of(identity),
+        };
+        crate::key::scoped(&scope, key)
+    }
+
     /// The scope of `identity`.
     fn hash_of(&self, identity: &str) -> String {
         let digest: [u8; 32] = match &self.hash {
@@ -188,5 +201,13 @@ mod tests {
         assert_ne!(other_secret.of(&parts("sk_live_alice")).unwrap(), keyed_alice);
         assert_eq!(ClientScope::shared().of(&parts("sk_live_alice")).unwrap(), "");
         assert_eq!(shown(&alice), &alice[..8]);
+        assert_eq!(
+            plain.stored_key("sk_live_alice", "order-42"),
+            format!("{alice}:order-42")
+        );
+        assert_eq!(
+            ClientScope::shared().stored_key("anyone", "order-42"),
+            ":order-42"
+        );
     }
 }

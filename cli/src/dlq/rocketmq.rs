@@ -199,7 +199,7 @@ impl DeadLetterTopic {
                     return Err(self.remote.failed(format!(
                         "read stopped before the end of {}: no message for {}",
                         self.name,
-                        humantime::format_duration(self.remote.timeout)
+                        crate::output::duration(self.remote.timeout)
                     )));
                 }
                 progress = Instant::now();

@@ -15,12 +15,23 @@ use serde_json::Value;
 /// Runs `oncely` with `arguments` (standard input empty: a prompt is answered with no) on a
 /// thread of its own, so that the test's runtime goes on meanwhile.
 pub(crate) async fn oncely(arguments: &[impl AsRef<str>]) -> Output {
+    oncely_without(arguments, &[]).await
+}
+
+/// [`oncely`] with the environment variables `unset` taken out of its environment: as an
+/// operator whose shell has no `REDIS_URL` runs it.
+pub(crate) async fn oncely_without(arguments: &[impl AsRef<str>], unset: &[&str]) -> Output {
     let arguments: Vec<String> = arguments
         .iter()
         .map(|argument| argument.as_ref().to_owned())
         .collect();
+    let unset: Vec<String> = unset.iter().map(|name| name.to_string()).collect();
     tokio::task::spawn_blocking(move || {
-        Command::new(env!("CARGO_BIN_EXE_oncely"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_oncely"));
+        for name in unset {
+            command.env_remove(name);
+        }
+        command
             .args(&arguments)
             .stdin(Stdio::null())
             .output()
@@ -28,6 +39,11 @@ pub(crate) async fn oncely(arguments: &[impl AsRef<str>]) -> Output {
     })
     .await
     .unwrap()
+}
+
+/// Its standard output, as text.
+pub(crate) fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// `base` followed by `more`, as owned arguments.

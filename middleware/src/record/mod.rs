@@ -57,7 +57,7 @@ pub use crate::store::postgres::record::{
     PgTransaction, PgTransactionalLayer, PgTransactionalTicket,
 };
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub use crate::store::sql::admin::{RecordRow, RecordStats, StuckReport};
+pub use crate::store::sql::admin::{RecordRow, RecordStats, ResponseRow, StuckReport};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use crate::store::sql::batched::{
     BatchAnswer, BatchHandler, BatchHandlerService, BatchLanes, BatchedLayer, BatchedService,

@@ -8,11 +8,14 @@ use std::time::Duration;
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySqlConnection, MySqlPool, Row};
 
-use super::Table;
 use super::claims::{MAX_ERROR_CHARS, key_text, time_of};
 use super::transaction::Unpooled;
+use super::{Table, responses_table};
 use crate::error::StoreError;
-use crate::store::sql::admin::{AdminStatements, Dialect, RecordRow, RecordStats, StuckReport, count};
+use crate::store::sql::admin::{
+    AdminStatements, AnsweredStatements, Dialect, RecordRow, RecordStats, ResponseRow, StuckReport, count,
+    scoped_pattern,
+};
 use crate::store::sql::{micros, to_i64};
 
 /// An operator's view of a MySQL or MariaDB record table (made by
@@ -32,6 +35,8 @@ use crate::store::sql::{micros, to_i64};
 pub struct MysqlRecordAdmin {
     pool: MySqlPool,
     table: Table,
+    /// Where oncely-http keeps the table's stored responses, if that is a valid name.
+    responses: Option<Table>,
     statements: AdminStatements,
 }
 
@@ -68,13 +73,22 @@ impl Dialect for Mysql {
               WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = {parameter})"
         )
     }
+
+    fn table_exists(parameter: &str) -> String {
+        format!(
+            "SELECT count(*) FROM information_schema.TABLES
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = {parameter}"
+        )
+    }
 }
 
 impl MysqlRecordAdmin {
     /// The operator's view of record table `table` in the database of `pool`'s connections.
     pub fn new(pool: MySqlPool, table: Table) -> Self {
+        let responses = responses_table(&table).ok();
         MysqlRecordAdmin {
-            statements: AdminStatements::new::<Mysql>(&table),
+            statements: AdminStatements::new::<Mysql>(&table, responses.as_ref().map(|t| t as _)),
+            responses,
             pool,
             table,
         }
@@ -195,17 +209,94 @@ impl MysqlRecordAdmin {
         .await
     }
 
-    /// How many `SUCCESS` rows were settled more than `age` ago: what a retention pass of
-    /// that age would purge now.
+    /// How many `SUCCESS` rows were settled more than `age` ago and may go, as
+    /// `PgRecordAdmin::purgeable`: a row whose stored response still lives is not counted.
     pub async fn purgeable(&self, age: Duration) -> Result<u64, StoreError> {
         self.on_connection(async |connection| {
-            let purgeable: i64 = sqlx::query_scalar(&self.statements.purgeable)
+            let statement = match self.answered(connection).await? {
+                Some(answered) => &answered.purgeable,
+                None => &self.statements.purgeable,
+            };
+            let purgeable: i64 = sqlx::query_scalar(statement)
                 .bind(micros(age))
                 .fetch_one(connection)
                 .await?;
             Ok(count(purgeable))
         })
         .await
+    }
+
+    /// How many `SUCCESS` rows settled more than `age` ago are kept because their stored
+    /// response still lives: 0 where no responses are stored beside the table.
+    pub async fn held_by_responses(&self, age: Duration) -> Result<u64, StoreError> {
+        self.on_connection(async |connection| {
+            let Some(answered) = self.answered(connection).await? else {
+                return Ok(0);
+            };
+            let held: i64 = sqlx::query_scalar(&answered.held)
+                .bind(micros(age))
+                .fetch_one(connection)
+                .await?;
+            Ok(count(held))
+        })
+        .await
+    }
+
+    /// `key`'s stored response (oncely-http's, beside the table), expired or not, if there
+    /// is one.
+    pub async fn response(&self, key: &str) -> Result<Option<ResponseRow>, StoreError> {
+        self.on_connection(async |connection| {
+            let Some(answered) = self.answered(connection).await? else {
+                return Ok(None);
+            };
+            let row = sqlx::query(&answered.response)
+                .bind(key.as_bytes())
+                .fetch_optional(connection)
+                .await?;
+            row.map(|row| {
+                let headers: Vec<u8> = row.try_get(1)?;
+                let expires_at: i64 = row.try_get(3)?;
+                Ok(ResponseRow::from_columns(
+                    row.try_get(0)?,
+                    &headers,
+                    row.try_get(2)?,
+                    time_of(expires_at),
+                ))
+            })
+            .transpose()
+        })
+        .await
+    }
+
+    /// Up to 10 keys that client-scoped routes (oncely-http's, `SCOPE:KEY`) recorded for
+    /// `key`, in key order, as `PgRecordAdmin::scoped_keys`.
+    pub async fn scoped_keys(&self, key: &str) -> Result<Vec<String>, StoreError> {
+        self.on_connection(async |connection| {
+            let keys: Vec<Vec<u8>> = sqlx::query_scalar(&self.statements.scoped_keys)
+                .bind(scoped_pattern(key).into_bytes())
+                .fetch_all(connection)
+                .await?;
+            Ok(keys
+                .into_iter()
+                .map(|key| String::from_utf8_lossy(&key).into_owned())
+                .collect())
+        })
+        .await
+    }
+
+    /// The statements on the stored responses, when their table exists.
+    async fn answered(
+        &self,
+        connection: &mut MySqlConnection,
+    ) -> Result<Option<&AnsweredStatements>, StoreError> {
+        let (Some(answered), Some(responses)) = (&self.statements.answered, &self.responses) else {
+            return Ok(None);
+        };
+        let found: i64 = sqlx::query_scalar(&answered.exists)
+            .bind(responses.as_str())
+            .fetch_one(connection)
+            .await?;
+        Ok((found > 0).then_some(answered))
     }
 }
 

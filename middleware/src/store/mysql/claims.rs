@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use sqlx::mysql::MySqlRow;
 use sqlx::{Executor, MySqlConnection, Row};
 
-use super::{Table, lost_to_another_transaction};
+use super::{Table, lost_to_another_transaction, responses_table};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
@@ -65,6 +65,22 @@ pub(crate) struct Statements {
     /// Deletes up to `?` (the second) `SUCCESS` rows not updated for `?` (the first) µs, oldest first (an ordered
     /// `LIMIT` is deterministic, so statement-based replication may log it).
     pub(crate) purge: String,
+    /// The purge where stored responses may live beside the table, if their table's name is
+    /// a valid one.
+    pub(crate) purge_answered: Option<AnsweredPurge>,
+}
+
+/// The retention's purge where stored responses may live beside the record table: in one
+/// transaction, the old `SUCCESS` rows whose response expired (or that have none) are
+/// picked (`?` age in µs, `?` limit), then deleted with their responses, by key.
+#[derive(Debug)]
+pub(crate) struct AnsweredPurge {
+    /// Their table, which the purge uses only when it exists.
+    pub(crate) responses: Table,
+    pub(crate) pick: String,
+    /// The heads of the two deletes; the keys' placeholders follow in `IN (…)`.
+    pub(crate) delete_records: String,
+    pub(crate) delete_responses: String,
 }
 
 impl Statements {
@@ -136,6 +152,18 @@ impl Statements {
                  WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
                  ORDER BY updated_at LIMIT ?"
             ),
+            purge_answered: responses_table(table).ok().map(|responses| AnsweredPurge {
+                pick: format!(
+                    "SELECT r.message_key FROM {table} r
+                     WHERE r.status = 'SUCCESS' AND r.updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+                       AND NOT EXISTS (SELECT 1 FROM {responses} s
+                                       WHERE s.message_key = r.message_key AND s.expires_at > UTC_TIMESTAMP(6))
+                     ORDER BY r.updated_at LIMIT ? FOR UPDATE SKIP LOCKED"
+                ),
+                delete_records: format!("DELETE FROM {table} WHERE status = 'SUCCESS' AND message_key IN "),
+                delete_responses: format!("DELETE FROM {responses} WHERE message_key IN "),
+                responses,
+            }),
         })
     }
 }

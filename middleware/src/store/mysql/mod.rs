@@ -73,6 +73,15 @@ impl fmt::Display for Ident {
     }
 }
 
+/// Where oncely-http keeps the stored responses of the record table `records`:
+/// `<records>_responses`, in the same database. The record's retention and the operator's
+/// `purge` keep a record row while its response there still lives, and remove the two
+/// together once it expired: a record row gone before its response would let the key run
+/// again. [`ConfigError::InvalidIdentifier`] when the name is longer than 64 bytes.
+pub fn responses_table(records: &Table) -> Result<Table, ConfigError> {
+    Table::new(format!("{}_responses", records.as_str()))
+}
+
 /// Creates the consumption record table `table` in the pool's database if it does not
 /// exist: one `CREATE TABLE IF NOT EXISTS` (InnoDB, with its indexes), so it is idempotent
 /// and safe when several consumers start at once. For MySQL 8 and MariaDB 10.6+ (tested on

@@ -8,9 +8,12 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use deadpool_postgres::tokio_postgres::Row;
 
-use super::{Checkout, Table};
+use super::{Checkout, Table, responses_table};
 use crate::error::StoreError;
-use crate::store::sql::admin::{AdminStatements, Dialect, RecordRow, RecordStats, StuckReport, count};
+use crate::store::sql::admin::{
+    AdminStatements, AnsweredStatements, Dialect, RecordRow, RecordStats, ResponseRow, StuckReport, count,
+    scoped_pattern,
+};
 use crate::store::sql::to_i64;
 
 /// An operator's view of a PostgreSQL record table (made by
@@ -24,6 +27,8 @@ use crate::store::sql::to_i64;
 pub struct PgRecordAdmin {
     pool: Pool,
     table: Table,
+    /// Where oncely-http keeps the table's stored responses, if that is a valid name.
+    responses: Option<Table>,
     statements: AdminStatements,
 }
 
@@ -54,13 +59,19 @@ impl Dialect for Postgres {
     fn table_bytes(parameter: &str) -> String {
         format!("pg_total_relation_size({parameter}::text::regclass)")
     }
+
+    fn table_exists(parameter: &str) -> String {
+        format!("SELECT count(to_regclass({parameter}::text))")
+    }
 }
 
 impl PgRecordAdmin {
     /// The operator's view of record table `table` on `pool`.
     pub fn new(pool: Pool, table: Table) -> Self {
+        let responses = responses_table(&table).ok();
         PgRecordAdmin {
-            statements: AdminStatements::new::<Postgres>(&table),
+            statements: AdminStatements::new::<Postgres>(&table, responses.as_ref().map(|t| t as _)),
+            responses,
             pool,
             table,
         }
@@ -150,18 +161,85 @@ impl PgRecordAdmin {
         .await
     }
 
-    /// How many `SUCCESS` rows were settled more than `age` ago: what a retention pass of
-    /// that age would purge now.
+    /// How many `SUCCESS` rows were settled more than `age` ago and may go: what a
+    /// retention pass of that age would purge now. A row whose stored response (oncely-http's,
+    /// beside the table) still lives is not counted: it goes with its response, once that
+    /// expired.
     pub async fn purgeable(&self, age: Duration) -> Result<u64, StoreError> {
         let age_ms = to_i64(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
         Checkout::run(&self.pool, async |client| {
-            let purgeable: i64 = client
-                .query_one(&self.statements.purgeable, &[&age_ms])
-                .await?
-                .get(0);
+            let statement = match self.answered(client).await? {
+                Some(answered) => &answered.purgeable,
+                None => &self.statements.purgeable,
+            };
+            let purgeable: i64 = client.query_one(statement, &[&age_ms]).await?.get(0);
             Ok(count(purgeable))
         })
         .await
+    }
+
+    /// How many `SUCCESS` rows settled more than `age` ago are kept because their stored
+    /// response still lives: 0 where no responses are stored beside the table.
+    pub async fn held_by_responses(&self, age: Duration) -> Result<u64, StoreError> {
+        let age_ms = to_i64(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+        Checkout::run(&self.pool, async |client| {
+            let Some(answered) = self.answered(client).await? else {
+                return Ok(0);
+            };
+            let held: i64 = client.query_one(&answered.held, &[&age_ms]).await?.get(0);
+            Ok(count(held))
+        })
+        .await
+    }
+
+    /// `key`'s stored response (oncely-http's, beside the table), expired or not, if there
+    /// is one.
+    pub async fn response(&self, key: &str) -> Result<Option<ResponseRow>, StoreError> {
+        Checkout::run(&self.pool, async |client| {
+            let Some(answered) = self.answered(client).await? else {
+                return Ok(None);
+            };
+            let row = client.query_opt(&answered.response, &[&key]).await?;
+            row.map(|row| {
+                let headers: Vec<u8> = row.try_get(1)?;
+                let body_len: i32 = row.try_get(2)?;
+                Ok(ResponseRow::from_columns(
+                    row.try_get(0)?,
+                    &headers,
+                    body_len.into(),
+                    row.try_get(3)?,
+                ))
+            })
+            .transpose()
+        })
+        .await
+    }
+
+    /// Up to 10 keys that client-scoped routes (oncely-http's, `SCOPE:KEY`) recorded for
+    /// `key`, in key order: what to look at when `key` itself has no row.
+    pub async fn scoped_keys(&self, key: &str) -> Result<Vec<String>, StoreError> {
+        Checkout::run(&self.pool, async |client| {
+            let rows = client
+                .query(&self.statements.scoped_keys, &[&scoped_pattern(key)])
+                .await?;
+            rows.iter().map(|row| Ok(row.try_get(0)?)).collect()
+        })
+        .await
+    }
+
+    /// The statements on the stored responses, when their table exists.
+    async fn answered(
+        &self,
+        client: &deadpool_postgres::Client,
+    ) -> Result<Option<&AnsweredStatements>, StoreError> {
+        let (Some(answered), Some(responses)) = (&self.statements.answered, &self.responses) else {
+            return Ok(None);
+        };
+        let found: i64 = client
+            .query_one(&answered.exists, &[&responses.to_string()])
+            .await?
+            .get(0);
+        Ok((found > 0).then_some(answered))
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use deadpool_postgres::tokio_postgres::Row;
 
-use super::Table;
+use super::{Table, responses_table};
 use crate::envelope::BusinessKey;
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
@@ -38,9 +38,21 @@ pub(crate) struct Statements {
     pub(crate) reconcile: String,
     /// Deletes up to `$2` `SUCCESS` rows not updated for `$1` ms.
     pub(crate) purge: String,
+    /// The same where stored responses live beside the table (`responses` names their
+    /// table, `statement` deletes): only rows whose response expired (or that have none),
+    /// each with its response, in one statement that answers how many record rows went.
+    pub(crate) purge_answered: Option<AnsweredPurge>,
     /// A page of `SUCCESS` keys settled within `$1` seconds, after id `$2`, `$3` rows.
     #[cfg(feature = "prefilter")]
     pub(crate) recent_successes: String,
+}
+
+/// The retention's purge where stored responses may live beside the record table.
+#[derive(Debug)]
+pub(crate) struct AnsweredPurge {
+    /// Their table, which the purge uses only when it exists.
+    pub(crate) responses: Table,
+    pub(crate) statement: String,
 }
 
 impl Statements {
@@ -100,6 +112,20 @@ impl Statements {
                      SELECT id FROM {table} WHERE status = 'SUCCESS'
                        AND updated_at < now() - $1::bigint * interval '1 millisecond' LIMIT $2)"
             ),
+            purge_answered: responses_table(table).ok().map(|responses| AnsweredPurge {
+                statement: format!(
+                    "WITH picked AS (
+                         SELECT r.id FROM {table} r WHERE r.status = 'SUCCESS'
+                           AND r.updated_at < now() - $1::bigint * interval '1 millisecond'
+                           AND NOT EXISTS (SELECT 1 FROM {responses} s
+                                           WHERE s.message_key = r.message_key AND s.expires_at > now())
+                         LIMIT $2),
+                     gone AS (DELETE FROM {table} WHERE id IN (SELECT id FROM picked) RETURNING message_key),
+                     answers AS (DELETE FROM {responses} WHERE message_key IN (SELECT message_key FROM gone))
+                     SELECT count(*) FROM gone"
+                ),
+                responses,
+            }),
             #[cfg(feature = "prefilter")]
             recent_successes: format!(
                 "SELECT id, message_key FROM {table}

@@ -27,7 +27,7 @@ use deadpool_postgres::{Object, Pool};
 
 use crate::error::StoreError;
 pub use migrate::{migrate, migrate_lock, migrate_script, migrate_state};
-pub use names::{Ident, Table};
+pub use names::{Ident, Table, responses_table};
 pub use status_columns::StatusColumns;
 
 /// True when `error` is PostgreSQL ending a transaction, or a statement, to let another

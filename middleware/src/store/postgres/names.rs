@@ -73,6 +73,18 @@ impl Table {
     }
 }
 
+/// Where oncely-http keeps the stored responses of the record table `records`:
+/// `<records>_responses`, in the same schema. The record's retention and the operator's
+/// `purge` keep a record row while its response there still lives, and remove the two
+/// together once it expired: a record row gone before its response would let the key run
+/// again. [`ConfigError::InvalidIdentifier`] when the name is longer than 63 bytes.
+pub fn responses_table(records: &Table) -> Result<Table, ConfigError> {
+    Table::new(
+        records.schema.as_str(),
+        &format!("{}_responses", records.name.as_str()),
+    )
+}
+
 impl fmt::Display for Table {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.{}", self.schema, self.name)

@@ -74,6 +74,40 @@ pub struct RecordStats {
     pub oldest_success_updated_at: Option<SystemTime>,
 }
 
+/// A key's stored response (oncely-http's, in the table beside the record table), as an
+/// operator reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ResponseRow {
+    /// The HTTP status the key's first request was answered with.
+    pub status: u16,
+    /// Its `Content-Type`, if it had one.
+    pub content_type: Option<String>,
+    /// The body's length in bytes.
+    pub body_len: u64,
+    /// Until when it is answered again; after that the key answers 410 until purged.
+    pub expires_at: SystemTime,
+}
+
+impl ResponseRow {
+    /// A response from its columns as the driver read them: the headers as oncely-http
+    /// stores them, one `name: value` line each.
+    pub(crate) fn from_columns(status: i16, headers: &[u8], body_len: i64, expires_at: SystemTime) -> Self {
+        let content_type = headers
+            .split(|&byte| byte == b'\n')
+            .filter_map(|line| std::str::from_utf8(line).ok())
+            .filter_map(|line| line.trim_end_matches('\r').split_once(": "))
+            .find(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+            .map(|(_, value)| value.to_owned());
+        ResponseRow {
+            status: u16::try_from(status).unwrap_or(0),
+            content_type,
+            body_len: u64::try_from(body_len).unwrap_or(0),
+            expires_at,
+        }
+    }
+}
+
 impl RecordRow {
     /// A row from its columns as the driver read them, times already converted.
     #[allow(clippy::too_many_arguments)] // the table's columns, in its order
@@ -129,6 +163,9 @@ pub(crate) trait Dialect {
 
     /// The table's size on disk in bytes, as a `BIGINT`, the table named by `parameter`.
     fn table_bytes(parameter: &str) -> String;
+
+    /// Whether the table named by `parameter` exists, as a count (0 or 1).
+    fn table_exists(parameter: &str) -> String;
 }
 
 /// The SQL text of every operator's statement, with the table name filled in, and what each
@@ -151,11 +188,45 @@ pub(crate) struct AdminStatements {
     /// How many `SUCCESS` rows a purge of an age would delete. Binds the age, in the
     /// store's retention unit.
     pub(crate) purgeable: String,
+    /// The statements on the stored responses beside the table, when their table's name is
+    /// a valid one.
+    pub(crate) answered: Option<AnsweredStatements>,
+    /// Up to 10 keys scoped by a client (oncely-http's `SCOPE:KEY`) whose key is the one
+    /// asked for. Binds the `LIKE` pattern ([`scoped_pattern`]).
+    pub(crate) scoped_keys: String,
+}
+
+/// The `LIKE` pattern of every key `…:key`, with `key`'s own wildcards escaped.
+pub(crate) fn scoped_pattern(key: &str) -> String {
+    let mut pattern = String::from("%:");
+    for ch in key.chars() {
+        if matches!(ch, '%' | '_' | '\\') {
+            pattern.push('\\');
+        }
+        pattern.push(ch);
+    }
+    pattern
+}
+
+/// The operator's statements where stored responses (oncely-http's) live beside the record
+/// table: a record row goes only with its response, once that expired.
+#[derive(Clone, Debug)]
+pub(crate) struct AnsweredStatements {
+    /// Whether the responses table exists. Binds its name, as [`Dialect::table_exists`]
+    /// reads it.
+    pub(crate) exists: String,
+    /// [`AdminStatements::purgeable`] less the rows whose response still lives.
+    pub(crate) purgeable: String,
+    /// How many `SUCCESS` rows older than an age are kept because their response lives.
+    /// Binds the age.
+    pub(crate) held: String,
+    /// One key's response: status, headers, body length, expiry. Binds the key.
+    pub(crate) response: String,
 }
 
 impl AdminStatements {
     /// The statements on `table` (already validated and quoted) in dialect `D`.
-    pub(crate) fn new<D: Dialect>(table: &impl Display) -> Self {
+    pub(crate) fn new<D: Dialect>(table: &impl Display, responses: Option<&dyn Display>) -> Self {
         let p = D::parameter;
         let now = D::NOW;
         let columns = format!(
@@ -214,6 +285,32 @@ impl AdminStatements {
             purgeable: format!(
                 "SELECT count(*) FROM {table} WHERE status = 'SUCCESS' AND updated_at < {}",
                 D::ago(&p(1))
+            ),
+            answered: responses.map(|responses| AnsweredStatements::new::<D>(table, responses)),
+            scoped_keys: format!(
+                "SELECT message_key FROM {table} WHERE message_key LIKE {} ORDER BY message_key LIMIT 10",
+                p(1)
+            ),
+        }
+    }
+}
+
+impl AnsweredStatements {
+    fn new<D: Dialect>(table: &impl Display, responses: &dyn Display) -> Self {
+        let p = D::parameter;
+        let now = D::NOW;
+        let old = format!("r.status = 'SUCCESS' AND r.updated_at < {}", D::ago(&p(1)));
+        let lives = format!(
+            "EXISTS (SELECT 1 FROM {responses} s WHERE s.message_key = r.message_key AND s.expires_at > {now})"
+        );
+        AnsweredStatements {
+            exists: D::table_exists(&p(1)),
+            purgeable: format!("SELECT count(*) FROM {table} r WHERE {old} AND NOT {lives}"),
+            held: format!("SELECT count(*) FROM {table} r WHERE {old} AND {lives}"),
+            response: format!(
+                "SELECT status, headers, length(body), {} FROM {responses} WHERE message_key = {}",
+                D::time("expires_at"),
+                p(1)
             ),
         }
     }

@@ -57,7 +57,9 @@ impl MysqlResponses {
     /// The stored responses of the record table `records`, on `pool`. [`ConfigError`] when
     /// `<records>_responses` is longer than a table name may be (64 bytes).
     pub fn new(pool: MySqlPool, records: &Table) -> Result<Self, ConfigError> {
-        let table = Table::new(format!("{}_responses", records.as_str()))?;
+        // Named where oncely's record retention looks for it: a record row goes only with
+        // its response, once that expired.
+        let table = oncely::mysql::responses_table(records)?;
         let statements = Statements {
             // Written once, at the commit: a key that already has a response is a bug (its
             // record row was removed without it), and the duplicate key fails the commit

@@ -73,8 +73,9 @@ impl PgResponses {
     /// The stored responses of the record table `records`, on `pool`. [`ConfigError`] when
     /// `<records>_responses` is longer than an identifier may be (63 bytes).
     pub fn new(pool: Pool, records: &Table) -> Result<Self, ConfigError> {
-        let name = format!("{}_responses", records.name().as_str());
-        let table = Table::new(records.schema().as_str(), &name)?;
+        // Named where oncely's record retention looks for it: a record row goes only with
+        // its response, once that expired.
+        let table = oncely::postgres::responses_table(records)?;
         let statements = Statements {
             // Every response of a batch in one statement, at the batch's commit. Written
             // once: a key that already has a response is a bug (its record row was removed
@@ -126,9 +127,8 @@ impl PgResponses {
     /// record rows, so that those keys are new again; answers how many responses went.
     /// Safe while requests run (rows in use are skipped); call it until it answers 0.
     ///
-    /// Keep the record's own retention (oncely's record purge) at least the expiry: a key
-    /// whose record is purged first runs again when its retry comes, and its new response
-    /// replaces the old.
+    /// oncely's record retention (and `oncely purge`) keeps a key's record row while its
+    /// response lives, and removes the two together once it expired, so either may run.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
         let client = self.pool.get().await.map_err(StoreError::new)?;
         let row = client

@@ -1,6 +1,7 @@
 //! The retention service's lease and batches on MySQL and MariaDB: a named lock
 //! (`GET_LOCK`) per record table, held by the connection that purges.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -8,15 +9,23 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::MysqlRecordStore;
 use crate::error::StoreError;
 use crate::record::{RetentionRunner, RetentionStore};
+use crate::store::mysql::claims::Statements;
 use crate::store::mysql::transaction::Unpooled;
 use crate::store::sql::micros;
 
 /// Holds the table's purge lease on its connection until it steps down.
 pub struct MysqlRetentionRunner {
     connection: Unpooled,
-    purge: String,
+    statements: Arc<Statements>,
+    /// Stored responses live beside the table: a record row goes only with its response,
+    /// once that expired.
+    answered: bool,
     lease: String,
 }
+
+/// The most keys one `DELETE … IN (…)` binds: well under the 65,535 placeholders a
+/// statement may have.
+const KEYS_PER_DELETE: usize = 10_000;
 
 impl RetentionStore for MysqlRecordStore {
     type Runner = MysqlRetentionRunner;
@@ -39,9 +48,26 @@ impl RetentionStore for MysqlRecordStore {
             connection.keep();
             return Ok(None);
         }
+        // Stored responses beside the table (oncely-http's): a record row goes only with
+        // its response, once that expired, or the key would run again while its first
+        // answer can still be replayed.
+        let answered = match &self.statements.purge_answered {
+            Some(purge) => {
+                let found: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM information_schema.TABLES \
+                     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+                )
+                .bind(purge.responses.as_str())
+                .fetch_one(&mut **connection.get())
+                .await?;
+                found > 0
+            }
+            None => false,
+        };
         Ok(Some(MysqlRetentionRunner {
             connection,
-            purge: self.statements.purge.clone(),
+            statements: self.statements.clone(),
+            answered,
             lease,
         }))
     }
@@ -55,12 +81,41 @@ impl RetentionStore for MysqlRecordStore {
 /// than pooled, and the server lets the named lock go with the session.
 impl RetentionRunner for MysqlRetentionRunner {
     async fn purge_batch(&mut self, age: Duration, rows: u32) -> Result<u64, StoreError> {
-        let purged = sqlx::query(&self.purge)
+        let connection = &mut **self.connection.get();
+        let answered = self.statements.purge_answered.as_ref().filter(|_| self.answered);
+        let Some(answered) = answered else {
+            let purged = sqlx::query(&self.statements.purge)
+                .bind(micros(age))
+                .bind(rows)
+                .execute(connection)
+                .await?;
+            return Ok(purged.rows_affected());
+        };
+        // Picked and deleted in one transaction: the rows picked stay locked until both
+        // deletes are done, so no claim slips between.
+        let mut transaction = sqlx::Connection::begin(connection).await?;
+        let keys: Vec<Vec<u8>> = sqlx::query_scalar(&answered.pick)
             .bind(micros(age))
             .bind(rows)
-            .execute(&mut **self.connection.get())
+            .fetch_all(&mut *transaction)
             .await?;
-        Ok(purged.rows_affected())
+        let mut purged = 0;
+        for keys in keys.chunks(KEYS_PER_DELETE) {
+            let marks = vec!["?"; keys.len()].join(", ");
+            for (head, counted) in [
+                (&answered.delete_records, true),
+                (&answered.delete_responses, false),
+            ] {
+                let statement = format!("{head}({marks})");
+                let query = keys
+                    .iter()
+                    .fold(sqlx::query(&statement), |query, key| query.bind(key));
+                let deleted = query.execute(&mut *transaction).await?.rows_affected();
+                purged += if counted { deleted } else { 0 };
+            }
+        }
+        transaction.commit().await?;
+        Ok(purged)
     }
 
     async fn step_down(mut self) -> Result<(), StoreError> {

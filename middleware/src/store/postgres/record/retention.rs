@@ -12,8 +12,16 @@ use crate::store::postgres::claims::to_i64;
 /// Holds the table's purge lease on its connection until it steps down.
 pub struct PgRetentionRunner {
     checkout: Checkout,
-    purge: String,
+    purge: Purge,
     lease: String,
+}
+
+/// How a pass deletes, decided when it takes the lease.
+enum Purge {
+    /// Old `SUCCESS` rows.
+    Records(String),
+    /// Old `SUCCESS` rows whose stored response expired, with it (a count comes back).
+    Answered(String),
 }
 
 impl RetentionStore for PgRecordStore {
@@ -34,9 +42,26 @@ impl RetentionStore for PgRecordStore {
             checkout.mark_clean();
             return Ok(None);
         }
+        // Stored responses beside the table (oncely-http's): a record row goes only with
+        // its response, once that expired, or the key would run again while its first
+        // answer can still be replayed.
+        let purge = match &self.statements.purge_answered {
+            Some(answered) => {
+                let exists = "SELECT to_regclass($1) IS NOT NULL";
+                let row = checkout
+                    .client()
+                    .query_one(exists, &[&answered.responses.to_string()])
+                    .await?;
+                match row.get(0) {
+                    true => Purge::Answered(answered.statement.clone()),
+                    false => Purge::Records(self.statements.purge.clone()),
+                }
+            }
+            None => Purge::Records(self.statements.purge.clone()),
+        };
         Ok(Some(PgRetentionRunner {
             checkout,
-            purge: self.statements.purge.clone(),
+            purge,
             lease,
         }))
     }
@@ -55,7 +80,14 @@ impl RetentionRunner for PgRetentionRunner {
         // wraps around to a small one.
         let age_ms = to_i64(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
         let client = self.checkout.client();
-        Ok(client.execute(&self.purge, &[&age_ms, &i64::from(rows)]).await?)
+        let rows = i64::from(rows);
+        match &self.purge {
+            Purge::Records(purge) => Ok(client.execute(purge, &[&age_ms, &rows]).await?),
+            Purge::Answered(purge) => {
+                let purged: i64 = client.query_one(purge, &[&age_ms, &rows]).await?.get(0);
+                Ok(u64::try_from(purged).unwrap_or(0))
+            }
+        }
     }
 
     async fn step_down(self) -> Result<(), StoreError> {
