@@ -49,6 +49,10 @@ pub struct Faults {
     pub swallowed: AtomicU32,
     /// Runs that answer 201 with a body that never ends.
     pub endless_bodies: AtomicU32,
+    /// How long each run takes, in milliseconds, inside its transaction (0: no time).
+    pub pace_ms: AtomicU32,
+    /// The body of every run, in the order they ran: runs rolled back included.
+    pub runs: std::sync::Mutex<Vec<String>>,
     /// Runs that cut a statement of theirs off after 50 ms (a timeout inside the handler),
     /// ignore it and answer 201. On MySQL the statement may still run: the run must fail.
     pub cut_off: AtomicU32,
@@ -66,6 +70,20 @@ impl Faults {
         fault
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1))
             .is_ok()
+    }
+
+    /// Notes a run of the request whose body is `body`.
+    pub(crate) fn ran(&self, body: &str) {
+        self.runs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(body.to_owned());
+    }
+
+    /// How many times the request whose body is `body` ran.
+    pub fn runs_of(&self, body: &str) -> usize {
+        let runs = self.runs.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        runs.iter().filter(|run| *run == body).count()
     }
 
     /// True for the run that takes `countdown` from 1 to 0.
@@ -278,6 +296,7 @@ async fn create_order(
     body: Bytes,
 ) -> Response {
     let text = String::from_utf8_lossy(&body);
+    faults.ran(&text);
     let written = async {
         let insert = tx.prepare_cached(INSERT_EFFECT).await?;
         tx.execute(&insert, &[&uri.path(), &text.as_ref()]).await
@@ -304,6 +323,10 @@ async fn create_order(
 /// What every order handler does once its effect is written, on any store: maybe a fault,
 /// then [`created`].
 pub(crate) async fn after_the_effect(faults: &Faults, uri: &axum::http::Uri) -> Response {
+    let pace = faults.pace_ms.load(Ordering::SeqCst);
+    if pace > 0 {
+        tokio::time::sleep(Duration::from_millis(u64::from(pace))).await;
+    }
     if Faults::take(&faults.panics) || Faults::reached(&faults.panic_at_run) {
         panic!("the handler's injected panic");
     }

@@ -201,6 +201,7 @@ async fn create_order(
     body: Bytes,
 ) -> Response {
     let text = String::from_utf8_lossy(&body);
+    faults.ran(&text);
     let written = sqlx::query("INSERT INTO effects (path, body) VALUES (?, ?)")
         .bind(uri.path())
         .bind(text.as_ref())

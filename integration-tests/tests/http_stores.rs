@@ -22,6 +22,7 @@ both_stores!(
     a_copy_that_waits_out_the_lock_timeout_is_answered_409,
     a_stored_response_is_never_replaced,
     with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batch,
+    a_client_that_hangs_up_in_a_batch_spares_its_neighbours,
 );
 
 /// A shop on `store` served with the flag in front of the record.
@@ -266,4 +267,78 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
         assert_eq!((retried.status, retried.is_replay()), (201, false), "{retried:?}");
     }
     assert_eq!(shop.effects().await, 1 + 64);
+}
+
+/// 16 requests kept open and 16 whose clients hang up after 5 ms, batched together while
+/// each run takes 3 ms: a request gone before its turn is taken out of its batch (its claim
+/// withdrawn), and the batch commits the others. Each kept request runs once — a batch
+/// rolled back would run its requests again — and no request gone before its turn runs.
+/// Rounds until one request left between its claim and its turn (how arrivals spread over
+/// the lanes varies), at most five.
+async fn a_client_that_hangs_up_in_a_batch_spares_its_neighbours(store: HttpStore) {
+    let shop = AnyShop::new(store, 16).await;
+    let server = TestServer::start(shop.record_only_app(true)).await;
+    shop.faults().pace_ms.store(3, Ordering::SeqCst);
+    let mut effects = 0;
+    for round in 0..5 {
+        effects += hang_up_round(&shop, &server, round).await;
+        assert_eq!(shop.effects().await, effects);
+        let withdrawn = "SELECT count(*) FROM consumption_record WHERE error_details LIKE '%withdrawn%'";
+        if shop.count(withdrawn).await > 0 {
+            return;
+        }
+    }
+    panic!("in five rounds no request left between its claim and its turn: the test shows nothing");
+}
+
+/// One round of [`a_client_that_hangs_up_in_a_batch_spares_its_neighbours`]: answers the
+/// effects it committed.
+async fn hang_up_round(shop: &AnyShop, server: &TestServer, round: usize) -> i64 {
+    let body = |key: &str| format!(r#"{{"order":"{key}"}}"#);
+    let request = |key: &str| {
+        client()
+            .post(server.url("/orders"))
+            .header(TENANT, "acme")
+            .header("idempotency-key", key)
+            .body(body(key))
+    };
+    // Interleaved in key order, so that the batch's turns alternate between the two.
+    let kept: Vec<String> = (0..16).map(|i| format!("r{round}-{i:02}-a-kept")).collect();
+    let leaving: Vec<String> = (0..16).map(|i| format!("r{round}-{i:02}-b-leaving")).collect();
+    let kept_answers: Vec<_> = kept.iter().map(|key| tokio::spawn(send(request(key)))).collect();
+    let left: Vec<_> = leaving
+        .iter()
+        .map(|key| tokio::spawn(request(key).timeout(Duration::from_millis(5)).send()))
+        .collect();
+    for left in left {
+        let _ = left.await.expect("a leaving request's task");
+    }
+    for (key, answer) in kept.iter().zip(kept_answers) {
+        let answer = answer.await.expect("a kept request's task");
+        assert_eq!(
+            (answer.status, answer.is_replay()),
+            (201, false),
+            "{key}: {answer:?}"
+        );
+        assert_eq!(
+            shop.faults().runs_of(&body(key)),
+            1,
+            "{key} ran again: its batch rolled back"
+        );
+    }
+    // Every run that started goes on to its end; none gone before its turn runs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for key in &leaving {
+        assert!(shop.faults().runs_of(&body(key)) <= 1, "{key} ran twice");
+    }
+    // A request gone before its turn runs when its client comes back.
+    if let Some(gone) = leaving.iter().find(|key| shop.faults().runs_of(&body(key)) == 0) {
+        let back = send(request(gone)).await;
+        assert_eq!((back.status, back.is_replay()), (201, false), "{back:?}");
+    }
+    let ran = leaving
+        .iter()
+        .filter(|key| shop.faults().runs_of(&body(key)) > 0)
+        .count();
+    16 + ran as i64
 }

@@ -153,6 +153,11 @@ pub enum RetryReason {
     /// back with its connection; the delivery is retried and, at the route's maximum
     /// attempts, dead-lettered as `attempts_exhausted` with the panic's message.
     HandlerPanicked,
+    /// The delivery's sender went away before its handler ran (an HTTP client hung up
+    /// while its request waited): nothing ran, and the tiers release the key as for any
+    /// retry. The batched record takes such a delivery out of its batch and commits the
+    /// rest.
+    Abandoned,
 }
 
 impl RetryReason {
@@ -166,6 +171,7 @@ impl RetryReason {
             RetryReason::StoreUnavailable(_) => "store_unavailable",
             RetryReason::HandlerFailed => "handler_failed",
             RetryReason::HandlerPanicked => "handler_panicked",
+            RetryReason::Abandoned => "abandoned",
         }
     }
 
@@ -179,7 +185,8 @@ impl RetryReason {
             | RetryReason::Conflict(_)
             | RetryReason::StoreUnavailable(_)
             | RetryReason::HandlerFailed
-            | RetryReason::HandlerPanicked => false,
+            | RetryReason::HandlerPanicked
+            | RetryReason::Abandoned => false,
         }
     }
 }

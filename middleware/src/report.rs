@@ -77,7 +77,8 @@ fn retry_label(reason: RetryReason) -> String {
         RetryReason::LockBusy
         | RetryReason::LeaseLost
         | RetryReason::HandlerFailed
-        | RetryReason::HandlerPanicked => reason.code().to_owned(),
+        | RetryReason::HandlerPanicked
+        | RetryReason::Abandoned => reason.code().to_owned(),
     }
 }
 

@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::fmt;
 use std::future::poll_fn;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -35,9 +35,10 @@ pub(crate) struct Exchange {
     /// Set when the request may be answered by the tiers (in flight, done) but must not
     /// run: an expired one-time token.
     refusal: Option<Problem>,
-    /// Set when the handler first runs: from then on the run goes on to its end, even if
-    /// the client hangs up.
-    started: AtomicBool,
+    /// Where the run is: [`WAITING`] for its turn, [`STARTED`] (from then on it goes on to
+    /// its end, even if the client hangs up), or [`ABANDONED`] by a client that hung up
+    /// before it started. Moved from `WAITING` once, by whichever comes first.
+    state: AtomicU8,
     reply: Mutex<Option<Reply>>,
 }
 
@@ -58,19 +59,38 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The run waits for its turn (in the tiers: a batch, a row lock).
+const WAITING: u8 = 0;
+/// The run has started: it goes on to its end.
+const STARTED: u8 = 1;
+/// The client hung up before the run started: it never will.
+const ABANDONED: u8 = 2;
+
 impl Exchange {
     pub(crate) fn new(parts: Parts, refusal: Option<Problem>) -> Arc<Self> {
         Arc::new(Exchange {
             parts,
             refusal,
-            started: AtomicBool::new(false),
+            state: AtomicU8::new(WAITING),
             reply: Mutex::new(None),
         })
     }
 
-    /// True once the handler ran or runs.
-    pub(crate) fn started(&self) -> bool {
-        self.started.load(Ordering::Acquire)
+    /// Gives the run up, for a client that hung up: true if it had not started (and now
+    /// never will), false if it had.
+    pub(crate) fn abandon(&self) -> bool {
+        let abandoned = self
+            .state
+            .compare_exchange(WAITING, ABANDONED, Ordering::AcqRel, Ordering::Acquire);
+        abandoned.is_ok() || abandoned == Err(ABANDONED)
+    }
+
+    /// Starts the run: false if its client gave it up first.
+    fn start(&self) -> bool {
+        let started = self
+            .state
+            .compare_exchange(WAITING, STARTED, Ordering::AcqRel, Ordering::Acquire);
+        started != Err(ABANDONED)
     }
 
     pub(crate) fn take_reply(&self) -> Option<Reply> {
@@ -182,6 +202,16 @@ where
             let detail = "no request: the HTTP handler runs only under IdempotencyLayer";
             return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
         };
+        // First, before anything can wait: a client that hung up before this moment gave
+        // the run up, and nothing runs (the batched record takes it out of its batch); one
+        // that hangs up after it no longer stops the run.
+        if !exchange.start() {
+            return Outcome::retry_later(
+                RetryReason::Abandoned,
+                "the client hung up before the handler started",
+                None,
+            );
+        }
         if let Some(refusal) = &exchange.refusal {
             exchange.answer(Reply::Problem(refusal.clone()));
             let detail = format!("refused before it ran: {}", refusal.detail());
@@ -192,7 +222,6 @@ where
             exchange.answer(Reply::Problem(failed.problem));
             return failed.outcome;
         }
-        exchange.started.store(true, Ordering::Release);
         let mut parts = exchange.parts.clone();
         self.responses.lend(&envelope, &mut parts.extensions);
         let request = Request::from_parts(parts, Full::new(envelope.delivery().body().clone()));

@@ -579,7 +579,9 @@ struct GiveUpUnstarted {
 
 impl Drop for GiveUpUnstarted {
     fn drop(&mut self) {
-        if !self.exchange.started() {
+        // Given up first, so that a run about to start finds it so and runs nothing: the
+        // batched record then takes it out of its batch rather than roll the batch back.
+        if self.exchange.abandon() {
             self.task.abort();
         }
     }

@@ -65,6 +65,10 @@ pub(crate) struct Statements {
     /// Deletes up to `?` (the second) `SUCCESS` rows not updated for `?` (the first) µs, oldest first (an ordered
     /// `LIMIT` is deterministic, so statement-based replication may log it).
     pub(crate) purge: String,
+    /// The head of the statement that takes back a batch's claims of keys whose deliveries
+    /// went away before their handlers ran: `?` the note, then the keys' placeholders follow
+    /// in `IN (…)`.
+    pub(crate) withdraw_head: String,
     /// The purge where stored responses may live beside the table, if their table's name is
     /// a valid one.
     pub(crate) purge_answered: Option<AnsweredPurge>,
@@ -151,6 +155,10 @@ impl Statements {
                 "DELETE FROM {table}
                  WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
                  ORDER BY updated_at LIMIT ?"
+            ),
+            withdraw_head: format!(
+                "UPDATE {table} SET status = 'FAILURE', lease_until = NULL, updated_at = UTC_TIMESTAMP(6),
+                 error_details = ? WHERE status = 'SUCCESS' AND message_key IN "
             ),
             purge_answered: responses_table(table).ok().map(|responses| AnsweredPurge {
                 pick: format!(

@@ -108,6 +108,27 @@ impl OpenTransaction {
         Ok(answers)
     }
 
+    /// Takes back the claims of `requests` in the transaction, noted `note`: their
+    /// deliveries went away before their handlers ran.
+    pub(crate) async fn withdraw(
+        &self,
+        statements: &Statements,
+        requests: &[ClaimRequest],
+        note: &str,
+    ) -> Result<(), StoreError> {
+        let mut slot = self.lock().await.map_err(StoreError::new)?;
+        let connection = slot.as_mut().ok_or_else(|| StoreError::new(ended()))?;
+        let marks = vec!["?"; requests.len()].join(", ");
+        let statement = format!("{}({marks})", statements.withdraw_head);
+        let query = requests
+            .iter()
+            .fold(sqlx::query(&statement).bind(note), |query, request| {
+                query.bind(request.key.as_str().as_bytes())
+            });
+        query.execute(&mut **connection).await?;
+        Ok(())
+    }
+
     /// Commits: `Ok` only when the server said it committed. A statement of the handler's
     /// that failed — MySQL undoes only that statement and carries on, unlike PostgreSQL,
     /// where it aborts the transaction — or that was cut off makes the tier roll back

@@ -36,6 +36,9 @@ pub(crate) struct Statements {
     pub(crate) stuck: String,
     /// The reconciler's verdict on one stuck row, only if it is still that stuck attempt.
     pub(crate) reconcile: String,
+    /// Takes back the batch's claims of the keys `$1` (their deliveries went away before
+    /// their handlers ran), with the note `$2`: left as a failed attempt leaves them.
+    pub(crate) withdraw: String,
     /// Deletes up to `$2` `SUCCESS` rows not updated for `$1` ms.
     pub(crate) purge: String,
     /// The same where stored responses live beside the table (`responses` names their
@@ -106,6 +109,10 @@ impl Statements {
             reconcile: format!(
                 "UPDATE {table} SET status = $3, error_details = $4, lease_until = NULL, updated_at = now()
                  WHERE message_key = $1 AND retry_count = $2 AND status = 'PROCESSING' AND lease_until < now()"
+            ),
+            withdraw: format!(
+                "UPDATE {table} SET status = 'FAILURE', lease_until = NULL, updated_at = now(), error_details = $2
+                 WHERE message_key = ANY($1::text[]) AND status = 'SUCCESS'"
             ),
             purge: format!(
                 "DELETE FROM {table} WHERE id IN (

@@ -11,7 +11,7 @@ use crate::outcome::Outcome;
 use crate::record::{BatchHandlerService, BatchedLayer, BatchedService, Begin};
 use crate::store::mysql::transaction::{MysqlTransaction, OpenTransaction};
 use crate::store::sql::ClaimRequest;
-use crate::store::sql::batched::TransactionalRecord;
+use crate::store::sql::batched::{TransactionalRecord, WITHDRAWN};
 
 /// The batched transactional record on MySQL or MariaDB: see [`BatchedLayer`].
 pub type MysqlBatchedLayer = BatchedLayer<MysqlTransactionalLayer>;
@@ -54,6 +54,10 @@ impl TransactionalRecord for MysqlTransactionalLayer {
         requests: &[ClaimRequest],
     ) -> Result<Vec<Begin>, StoreError> {
         open.claim(&self.statements, requests).await
+    }
+
+    async fn withdraw(&self, open: &Self::Open, requests: &[ClaimRequest]) -> Result<(), StoreError> {
+        open.withdraw(&self.statements, requests, WITHDRAWN).await
     }
 
     fn handle(open: &Self::Open) -> MysqlTransaction {

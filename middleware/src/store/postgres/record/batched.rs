@@ -14,7 +14,7 @@ use crate::record::{BatchHandlerService, BatchedLayer, BatchedService, Begin, Re
 use crate::store::postgres::claims::claim_batch;
 use crate::store::postgres::lost_to_another_transaction;
 use crate::store::sql::ClaimRequest;
-use crate::store::sql::batched::TransactionalRecord;
+use crate::store::sql::batched::{TransactionalRecord, WITHDRAWN};
 use crate::tier::Tier;
 
 /// The batched transactional record on PostgreSQL: see [`BatchedLayer`].
@@ -65,6 +65,15 @@ impl TransactionalRecord for PgTransactionalLayer {
         let claimed = claim_batch(client, &self.statements, requests, RecordStatus::Success).await?;
         open.xid = open.xid.or(claimed.transaction_id);
         Ok(claimed.answers)
+    }
+
+    async fn withdraw(&self, open: &PgBatch, requests: &[ClaimRequest]) -> Result<(), StoreError> {
+        let keys: Vec<&str> = requests.iter().map(|request| request.key.as_str()).collect();
+        let client = open.transaction.client();
+        client
+            .execute(&self.statements.withdraw, &[&keys, &WITHDRAWN])
+            .await?;
+        Ok(())
     }
 
     fn handle(open: &PgBatch) -> PgTransaction {

@@ -68,6 +68,10 @@ pub(super) enum Part {
     /// Its handler failed where the failure may be another's doing (after another handler,
     /// or a set handler failing as a whole): it runs alone, where only its own doing counts.
     Suspect,
+    /// Its delivery went away before its handler ran (its future was dropped, an HTTP
+    /// client hung up while it waited): its claim is withdrawn in the batch's transaction,
+    /// and the rest of the batch commits without it.
+    Gone,
 }
 
 /// How one claimed delivery's handler ended in a batch.
@@ -90,6 +94,11 @@ impl Ended {
     /// Whether this delivery's part of the batch can commit.
     fn succeeded(&self) -> bool {
         matches!(&self.part, Part::Answered(outcome) if outcome.is_settled())
+    }
+
+    /// Whether this delivery went away before its handler ran.
+    fn gone(&self) -> bool {
+        matches!(self.part, Part::Gone)
     }
 }
 
@@ -378,10 +387,32 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         let handle = R::handle(transaction);
         let written = self.writer.write(&handle, group, first).await;
         drop(handle);
-        let failed = written.ended.iter().any(|ended| !ended.succeeded());
+        let failed = written
+            .ended
+            .iter()
+            .any(|ended| !ended.succeeded() && !ended.gone());
         ended.extend(written.ended);
         if written.tainted {
             return Ending::Close;
+        }
+        // Deliveries gone before their turn: their keys were claimed with the others', and
+        // must not commit as done without their handlers. Withdrawn in the transaction, the
+        // rest commits; should that fail, everyone runs again alone.
+        let gone: Vec<ClaimRequest> = ended[before..]
+            .iter()
+            .filter(|ended| ended.gone())
+            .map(|ended| ended.request.clone())
+            .collect();
+        if !failed
+            && !gone.is_empty()
+            && let Err(error) = self.record.withdraw(transaction, &gone).await
+        {
+            tracing::debug!(%error, "a batch could not withdraw the claims of deliveries gone; its deliveries run alone");
+            ended
+                .iter_mut()
+                .filter(|ended| !ended.gone())
+                .for_each(|ended| ended.part = Part::Suspect);
+            return Ending::Rollback;
         }
         // A statement failed that no handler answered for (MySQL carries on past one): the
         // batch cannot commit — now, rather than after more handlers and joiners. The one
@@ -428,6 +459,8 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
 
     /// Ends the transaction and tells every delivery of the batch its last word.
     async fn settle(&self, transaction: R::Open, mut ended: Vec<Ended>, ending: Ending) {
+        // Deliveries gone are told nothing: nobody waits for their word.
+        ended.retain(|ended| !ended.gone());
         let committed = match ending {
             Ending::Commit if ended.is_empty() => {
                 self.record.roll_back(transaction).await;
@@ -476,6 +509,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 Part::Suspect => {
                     let _ = ended.reply.send(Word::Alone);
                 }
+                Part::Gone => {}
             }
         }
         for (request, reply, outcome) in failures {

@@ -51,6 +51,16 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
         requests: &[ClaimRequest],
     ) -> impl Future<Output = Result<Vec<Begin>, StoreError>> + Send;
 
+    /// Takes back, in the open transaction, the claims of `requests` whose deliveries went
+    /// away before their handlers ran: their rows are left as a failed attempt leaves them
+    /// (`FAILURE`), so that the key's next delivery takes it over, and the rest of the
+    /// batch may commit.
+    fn withdraw(
+        &self,
+        open: &Self::Open,
+        requests: &[ClaimRequest],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// The handle to `open` the handlers take.
     fn handle(open: &Self::Open) -> Self::Handle;
 
@@ -82,6 +92,10 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
     /// lane asks.
     fn doomed(open: &Self::Open) -> Option<String>;
 }
+
+/// The note on a claim withdrawn from a batch ([`TransactionalRecord::withdraw`]).
+pub(crate) const WITHDRAWN: &str =
+    "the delivery went away before its handler ran (its claim was withdrawn from its batch)";
 
 /// How many batches of per-delivery handlers run at once unless configured otherwise
 /// ([`BatchedLayer::with_lanes`], which says how it was chosen).

@@ -114,6 +114,34 @@ impl<T: Clone + Send + Sync + 'static, H: BatchHandler<T>> Writer<T> for SetWrit
     type Work = ();
 
     async fn write(&self, transaction: &T, group: Vec<Joiner<()>>, first: bool) -> Written {
+        // Deliveries gone since they were claimed are taken out of the batch (their claims
+        // withdrawn): the handler is called with the others only.
+        let (gone, group): (Vec<_>, Vec<_>) = group.into_iter().partition(|joiner| joiner.reply.is_closed());
+        let mut written = self.write_present(transaction, group, first).await;
+        written
+            .ended
+            .extend(gone.into_iter().map(|joiner| Ended::of(joiner, Part::Gone)));
+        written
+    }
+}
+
+impl<H> SetWriter<H> {
+    /// Calls the set handler on `group`, which may be empty: then nothing runs.
+    async fn write_present<T: Clone + Send + Sync + 'static>(
+        &self,
+        transaction: &T,
+        group: Vec<Joiner<()>>,
+        first: bool,
+    ) -> Written
+    where
+        H: BatchHandler<T>,
+    {
+        if group.is_empty() {
+            return Written {
+                ended: Vec::new(),
+                tainted: false,
+            };
+        }
         let envelopes = group.iter().map(|joiner| joiner.envelope.clone()).collect();
         // Inside the async block, a panic before the handler's first await is caught too.
         let call = async { self.0.handle(transaction.clone(), envelopes).await };

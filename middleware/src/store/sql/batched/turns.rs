@@ -45,9 +45,6 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 mut reply,
                 ..
             } = joiner;
-            // Gone before its turn: its key is claimed but its handler never ran, so the
-            // batch must not commit.
-            failed |= reply.is_closed();
             if failed {
                 written.ended.push(Ended {
                     request,
@@ -56,10 +53,24 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 });
                 continue;
             }
+            // Gone before its turn: its key is claimed but its handler never ran. It is
+            // taken out of the batch (its claim withdrawn); the others go on.
+            if reply.is_closed() {
+                written.ended.push(Ended {
+                    request,
+                    reply,
+                    part: Part::Gone,
+                });
+                continue;
+            }
             let run = AssertUnwindSafe(work(transaction.clone())).catch_unwind();
             // A panic or a cut-off handler may leave a statement running: the connection is
-            // closed, not rolled back.
+            // closed, not rolled back. The run is polled first: a delivery whose sender went
+            // away just now, before its handler started, answers `Abandoned` on that first
+            // poll, without running anything, and is taken out of the batch like one gone
+            // before its turn.
             let outcome = tokio::select! {
+                biased;
                 ran = run => {
                     written.tainted |= ran.is_err();
                     Some(ran.unwrap_or_else(|panic| panicked(panic.as_ref())))
@@ -69,6 +80,16 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                     None
                 }
             };
+            if let Some(Outcome::RetryLater(retry)) = &outcome
+                && retry.reason == RetryReason::Abandoned
+            {
+                written.ended.push(Ended {
+                    request,
+                    reply,
+                    part: Part::Gone,
+                });
+                continue;
+            }
             failed = !outcome.as_ref().is_some_and(Outcome::is_settled);
             // After another handler, a failure may be that one's doing (a failed statement
             // it swallowed aborts the transaction on PostgreSQL); a cut-off delivery is gone.
