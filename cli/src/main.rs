@@ -185,8 +185,9 @@ pub(crate) struct InspectArgs {
     entity: Option<String>,
     /// The client whose key KEY is, on an HTTP route that scopes keys by client
     /// (`ClientScope`): the identity the route reads, e.g. the API key. Looked up as the
-    /// route stores it, scoped by its hash.
-    #[arg(long)]
+    /// route stores it, scoped by its hash. An identity that is a secret is better passed
+    /// in ONCELY_CLIENT than on the command line, which the shell's history and `ps` show.
+    #[arg(long, env = "ONCELY_CLIENT", hide_env_values = true)]
     client: Option<String>,
     /// The secret the route's `ClientScope::with_secret` hashes identities with, if it has
     /// one (with --client).

@@ -383,7 +383,8 @@ fn created(uri: &axum::http::Uri) -> Response {
 
 /// A server on a free loopback port, stopped when dropped.
 pub struct TestServer {
-    address: SocketAddr,
+    /// Where it listens.
+    pub address: SocketAddr,
     task: JoinHandle<()>,
 }
 
@@ -524,4 +525,44 @@ pub async fn fetch_token(server: &TestServer, tenant: &str) -> String {
     assert_eq!(issued.status, 201, "{issued:?}");
     assert_eq!(issued.headers["cache-control"], "no-store");
     issued.json("token").as_str().expect("a token").to_owned()
+}
+
+/// A request written on a connection of its own, by hand: a client whose hanging up the
+/// server sees at once (the connection closes when this is dropped), which an HTTP client
+/// library's timeout does not promise.
+pub struct RawRequest(tokio::net::TcpStream);
+
+impl RawRequest {
+    /// `POST /orders` to `server` as `tenant`, with `key` and `body`, sent in full.
+    pub async fn post(server: &TestServer, tenant: &str, key: &str, body: &str) -> Self {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = tokio::net::TcpStream::connect(server.address)
+            .await
+            .expect("a connection");
+        let request = format!(
+            "POST /orders HTTP/1.1\r\nhost: {}\r\n{TENANT}: {tenant}\r\nidempotency-key: {key}\r\n\
+             content-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            server.address,
+            body.len()
+        );
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .expect("the request sent");
+        RawRequest(stream)
+    }
+
+    /// The answer's status, and whether it is a stored response answered again.
+    pub async fn answer(mut self) -> (u16, bool) {
+        use tokio::io::AsyncReadExt;
+        let mut answer = Vec::new();
+        self.0.read_to_end(&mut answer).await.expect("an answer");
+        let answer = String::from_utf8_lossy(&answer).to_lowercase();
+        let status = answer
+            .split(' ')
+            .nth(1)
+            .and_then(|status| status.parse().ok())
+            .unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"));
+        (status, answer.contains("idempotent-replayed: true"))
+    }
 }

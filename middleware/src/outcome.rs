@@ -156,7 +156,9 @@ pub enum RetryReason {
     /// The delivery's sender went away before its handler ran (an HTTP client hung up
     /// while its request waited): nothing ran, and the tiers release the key as for any
     /// retry. The batched record takes such a delivery out of its batch and commits the
-    /// rest.
+    /// rest — when it is answered at once, before the run awaited anything: answered later,
+    /// the run may have written, and it fails its batch as any failure does. Answer it only
+    /// for a run that wrote nothing (oncely-http does, before the user's service runs).
     Abandoned,
 }
 

@@ -31,9 +31,10 @@ pub(crate) const SHOWN_SCOPE_LEN: usize = 8;
 /// The identity itself is never stored nor logged: a key is scoped by a hash of it, 128 bits
 /// of HMAC-SHA-256 under the secret given to [`with_secret`](Self::with_secret), written as
 /// 32 hex digits (`3f9a…:order-42` in the record and response tables, the one-time token
-/// table's `client` column and the Redis flag's keys; logs and `oncely inspect` show the first
-/// eight digits). An identity that is itself a secret, such as an API key, is then safe
-/// wherever the tables, their backups or the logs go. Without a secret the hash is a plain
+/// table's `client` column and the Redis flag's keys; this crate's logs and `oncely inspect`
+/// show the first eight digits, while the tiers' own logs — a dead letter, a store failure —
+/// name the key as stored). An identity that is itself a secret, such as an API key, is then
+/// safe wherever the tables, their backups or the logs go. Without a secret the hash is a plain
 /// SHA-256 of the identity: it hides an API key (its entropy defeats guessing), but whoever
 /// reads the tables can test a guess of a low-entropy identity (a tenant's name) and learn
 /// which keys it used — give a secret when the identities can be guessed. The secret is for

@@ -65,9 +65,11 @@ pub(crate) struct Statements {
     /// Deletes up to `?` (the second) `SUCCESS` rows not updated for `?` (the first) µs, oldest first (an ordered
     /// `LIMIT` is deterministic, so statement-based replication may log it).
     pub(crate) purge: String,
-    /// The head of the statement that takes back a batch's claims of keys whose deliveries
-    /// went away before their handlers ran: `?` the note, then the keys' placeholders follow
-    /// in `IN (…)`.
+    /// The heads of the statements that take back a batch's claims of keys whose
+    /// deliveries went away before their handlers ran, the keys' placeholders following in
+    /// `IN (…)`: a key first claimed by the batch goes as if never claimed, one it took over
+    /// is left as a failed attempt leaves it (`?` the note first).
+    pub(crate) withdraw_fresh_head: String,
     pub(crate) withdraw_head: String,
     /// The purge where stored responses may live beside the table, if their table's name is
     /// a valid one.
@@ -155,6 +157,9 @@ impl Statements {
                 "DELETE FROM {table}
                  WHERE status = 'SUCCESS' AND updated_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
                  ORDER BY updated_at LIMIT ?"
+            ),
+            withdraw_fresh_head: format!(
+                "DELETE FROM {table} WHERE status = 'SUCCESS' AND retry_count = 0 AND message_key IN "
             ),
             withdraw_head: format!(
                 "UPDATE {table} SET status = 'FAILURE', lease_until = NULL, updated_at = UTC_TIMESTAMP(6),

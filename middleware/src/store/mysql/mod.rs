@@ -10,6 +10,7 @@
 pub(crate) mod admin;
 pub(crate) mod claims;
 pub(crate) mod commit_rows;
+pub(crate) mod killer;
 pub(crate) mod lock;
 #[cfg(feature = "prefilter")]
 pub(crate) mod prefilter;

@@ -17,10 +17,11 @@ use futures_util::future::BoxFuture;
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use sqlx::mysql::{MySqlQueryResult, MySqlRow, MySqlStatement, MySqlTypeInfo};
 use sqlx::pool::PoolConnection;
-use sqlx::{ConnectOptions, Connection, Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
+use sqlx::{Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
 
 use super::claims::{Statements, claim, claim_new_keys};
 use super::commit_rows::{DeferredRows, MysqlCommitRows};
+use super::killer::Killer;
 use super::lost_to_another_transaction;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
@@ -39,8 +40,8 @@ pub(crate) struct OpenTransaction {
     /// The server's id of the connection (`CONNECTION_ID()`), to kill what it runs when the
     /// transaction is abandoned.
     connection_id: u64,
-    /// Whose connect options `KILL` connects with.
-    pool: MySqlPool,
+    /// Who kills the session when the transaction is abandoned: the layer's.
+    killer: Arc<Killer>,
     /// The first statement of the handler's that failed, or was cut off.
     failure: std::sync::Mutex<Option<String>>,
     /// A statement of the handler's was cut off before it finished (its future dropped by a
@@ -62,7 +63,7 @@ impl OpenTransaction {
     /// The transaction runs at the session's isolation level (the server's default,
     /// REPEATABLE READ, unless the pool's connections set another). The claim's reads need
     /// no more than READ COMMITTED: the `UPDATE` that takes a row over checks it again.
-    pub(crate) async fn start(pool: &MySqlPool) -> Result<Self, StoreError> {
+    pub(crate) async fn start(pool: &MySqlPool, killer: &Arc<Killer>) -> Result<Self, StoreError> {
         let mut connection = Unpooled(Some(pool.acquire().await?));
         let xid = format!("oncely-{}", crate::Token::random());
         // `Executor::fetch_all`, not `RawSql::fetch_all`: the latter's future is not `Send` for
@@ -78,7 +79,7 @@ impl OpenTransaction {
             connection: tokio::sync::Mutex::new(connection.keep()),
             xid,
             connection_id,
-            pool: pool.clone(),
+            killer: killer.clone(),
             failure: std::sync::Mutex::new(None),
             cut_off: AtomicBool::new(false),
             rows: DeferredRows::default(),
@@ -119,13 +120,17 @@ impl OpenTransaction {
         let mut slot = self.lock().await.map_err(StoreError::new)?;
         let connection = slot.as_mut().ok_or_else(|| StoreError::new(ended()))?;
         let marks = vec!["?"; requests.len()].join(", ");
-        let statement = format!("{}({marks})", statements.withdraw_head);
-        let query = requests
-            .iter()
-            .fold(sqlx::query(&statement).bind(note), |query, request| {
+        let fresh = format!("{}({marks})", statements.withdraw_fresh_head);
+        let taken_over = format!("{}({marks})", statements.withdraw_head);
+        for (statement, note) in [(&fresh, None), (&taken_over, Some(note))] {
+            let query = note
+                .into_iter()
+                .fold(sqlx::query(statement), |query, note| query.bind(note));
+            let query = requests.iter().fold(query, |query, request| {
                 query.bind(request.key.as_str().as_bytes())
             });
-        query.execute(&mut **connection).await?;
+            query.execute(&mut **connection).await?;
+        }
         Ok(())
     }
 
@@ -170,7 +175,9 @@ impl OpenTransaction {
     /// that statement at once and rolls the transaction back.
     pub(crate) async fn close(&self) {
         self.cut_off.store(true, Ordering::Release);
-        self.kill();
+        // Killed first: a statement running through a handle holds the connection, which the
+        // rollback would wait for. Ending the cut-off transaction then lets its slot go.
+        self.killer.kill(self.connection_id, None);
         self.roll_back().await;
     }
 
@@ -204,8 +211,7 @@ impl OpenTransaction {
     /// timeout, or for hours.
     async fn end(&self, mut connection: PoolConnection<MySql>, ending: Ending) -> Result<(), sqlx::Error> {
         if self.cut_off.load(Ordering::Acquire) {
-            connection.close_on_drop();
-            self.kill();
+            self.killer.kill(self.connection_id, Some(connection));
             return Err(sqlx::Error::Protocol(
                 "a statement of the handler was cut off".into(),
             ));
@@ -220,26 +226,10 @@ impl OpenTransaction {
             tracing::warn!(%error, ?ending, "could not end the record transaction; closing the connection");
             connection.close_on_drop();
             if !matches!(error, sqlx::Error::Database(_)) {
-                self.kill();
+                self.killer.kill(self.connection_id, Some(connection));
             }
         }
         ended.map(drop)
-    }
-
-    /// Kills the connection's server session, from a connection of its own: the pool may be
-    /// full of deliveries waiting for the very locks this frees. Fails harmlessly when the
-    /// session has already gone.
-    fn kill(&self) {
-        let (options, id) = (self.pool.connect_options(), self.connection_id);
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                let Ok(mut killer) = options.connect().await else {
-                    return;
-                };
-                let _ = killer.execute(sqlx::raw_sql(&format!("KILL {id}"))).await;
-                let _ = killer.close().await;
-            });
-        }
     }
 
     /// The first failure the handler's statements met, if any: the transaction can no longer
@@ -268,9 +258,8 @@ impl OpenTransaction {
 /// timeout.
 impl Drop for OpenTransaction {
     fn drop(&mut self) {
-        if let Some(mut connection) = self.connection.get_mut().take() {
-            connection.close_on_drop();
-            self.kill();
+        if let Some(connection) = self.connection.get_mut().take() {
+            self.killer.kill(self.connection_id, Some(connection));
         }
     }
 }

@@ -37,7 +37,7 @@ pub(crate) struct Statements {
     /// The reconciler's verdict on one stuck row, only if it is still that stuck attempt.
     pub(crate) reconcile: String,
     /// Takes back the batch's claims of the keys `$1` (their deliveries went away before
-    /// their handlers ran), with the note `$2`: left as a failed attempt leaves them.
+    /// their handlers ran), with the note `$2` on the keys it took over.
     pub(crate) withdraw: String,
     /// Deletes up to `$2` `SUCCESS` rows not updated for `$1` ms.
     pub(crate) purge: String,
@@ -110,9 +110,14 @@ impl Statements {
                 "UPDATE {table} SET status = $3, error_details = $4, lease_until = NULL, updated_at = now()
                  WHERE message_key = $1 AND retry_count = $2 AND status = 'PROCESSING' AND lease_until < now()"
             ),
+            // A key first claimed by this batch goes as if never claimed; a key it took over
+            // is left as a failed attempt leaves it.
             withdraw: format!(
-                "UPDATE {table} SET status = 'FAILURE', lease_until = NULL, updated_at = now(), error_details = $2
-                 WHERE message_key = ANY($1::text[]) AND status = 'SUCCESS'"
+                "WITH fresh AS (DELETE FROM {table} WHERE message_key = ANY($1::text[])
+                                  AND status = 'SUCCESS' AND retry_count = 0 RETURNING message_key)
+                 UPDATE {table} SET status = 'FAILURE', lease_until = NULL, updated_at = now(), error_details = $2
+                 WHERE message_key = ANY($1::text[]) AND status = 'SUCCESS'
+                   AND message_key NOT IN (SELECT message_key FROM fresh)"
             ),
             purge: format!(
                 "DELETE FROM {table} WHERE id IN (

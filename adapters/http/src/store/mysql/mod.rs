@@ -182,13 +182,14 @@ impl ResponseStore for MysqlResponses {
             return Err(SaveFailure::HandlerAborted(StoreError::malformed(failure)));
         }
         let micros = u64::try_from(expiry.as_micros()).unwrap_or(u64::MAX);
+        let headers = response.encode_headers();
         transaction.defer(ResponseRows {
             insert: self.statements.save.clone(),
-            bytes: response.body.len(),
+            bytes: response.body.len() + headers.len() + envelope.key().as_str().len(),
             rows: vec![ResponseRow {
                 key: envelope.key().as_str().as_bytes().to_vec(),
                 status: response.status.as_u16(),
-                headers: response.encode_headers(),
+                headers,
                 body: response.body.clone(),
                 expiry_micros: micros,
             }],
@@ -221,8 +222,10 @@ fn missing_record() -> SaveFailure {
     })
 }
 
-/// The most body bytes one statement gathers: well under MariaDB's default
-/// `max_allowed_packet` (16 MiB) with the rest of the statement.
+/// The most bytes of rows one statement gathers: well under MariaDB's default
+/// `max_allowed_packet` (16 MiB) with the rest of the statement. One response alone may be
+/// larger (up to the layer's `with_max_response_len`, 1 MiB by default): a response larger
+/// than `max_allowed_packet` fails its commit (503) every time, so keep the maximum under it.
 const MAX_GATHERED_BYTES: usize = 4 * 1024 * 1024;
 
 /// The most rows one statement gathers: five placeholders each, under the 65,535 a
@@ -236,7 +239,7 @@ struct ResponseRows {
     /// The statement's start, which names the table: rows for another table are not
     /// gathered here.
     insert: Arc<str>,
-    /// The bodies' bytes, gathered.
+    /// The rows' bytes (keys, headers, bodies), gathered.
     bytes: usize,
     rows: Vec<ResponseRow>,
 }

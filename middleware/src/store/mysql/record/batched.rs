@@ -38,7 +38,7 @@ impl TransactionalRecord for MysqlTransactionalLayer {
     type Handle = MysqlTransaction;
 
     async fn open(&self, requests: &[ClaimRequest]) -> Result<(Self::Open, Vec<Begin>), StoreError> {
-        let transaction = OpenTransaction::start(&self.pool).await?;
+        let transaction = OpenTransaction::start(&self.pool, &self.killer).await?;
         match transaction.claim(&self.statements, requests).await {
             Ok(answers) => Ok((Arc::new(transaction), answers)),
             Err(error) => {

@@ -14,6 +14,7 @@ use crate::handler::{Handler, InTransaction, TypedHandler, typed};
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::{Begin, TransactionSafe};
 use crate::store::mysql::claims::{Statements, kept_error};
+use crate::store::mysql::killer::Killer;
 use crate::store::mysql::transaction::{MysqlTransaction, OpenTransaction};
 use crate::store::mysql::{Table, lost_to_another_transaction};
 use crate::store::sql::{ClaimRequest, claim_request, to_i64};
@@ -89,6 +90,8 @@ pub struct MysqlTransactionalLayer {
     table: Table,
     pub(super) statements: Arc<Statements>,
     pub(super) in_flight_delay: Duration,
+    /// Kills the sessions of abandoned transactions, from one connection of its own.
+    pub(super) killer: Arc<Killer>,
 }
 
 impl MysqlTransactionalLayer {
@@ -97,6 +100,7 @@ impl MysqlTransactionalLayer {
     pub fn new(pool: MySqlPool, table: Table) -> Self {
         MysqlTransactionalLayer {
             statements: Statements::new(&table),
+            killer: Arc::new(Killer::new(&pool)),
             pool,
             table,
             in_flight_delay: Duration::from_secs(1),
@@ -198,7 +202,7 @@ impl TierDecision for MysqlTransactionalLayer {
     /// behind as a [`MysqlTransaction`].
     async fn enter(&self, envelope: &mut Envelope) -> Result<Enter<MysqlTransactionalTicket>, StoreError> {
         let request = claim_request(envelope);
-        let transaction = OpenTransaction::start(&self.pool).await?;
+        let transaction = OpenTransaction::start(&self.pool, &self.killer).await?;
         let claimed = transaction
             .claim(&self.statements, std::slice::from_ref(&request))
             .await;

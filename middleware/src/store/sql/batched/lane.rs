@@ -377,7 +377,8 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         group: Vec<Joiner<W::Work>>,
         ended: &mut Vec<Ended>,
     ) -> Ending {
-        let first = ended.is_empty();
+        // Deliveries gone ran no handler: they do not make a later one's failure suspect.
+        let first = ended.iter().all(Ended::gone);
         let before = ended.len();
         // A group the claims left empty (copies, keys done elsewhere) has nothing to write:
         // a set handler is never called with an empty batch.
@@ -422,7 +423,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         let doomed = R::doomed(transaction);
         if let Some(failure) = &doomed {
             let group = &mut ended[before..];
-            let alone = first && group.len() == 1;
+            let alone = first && group.iter().filter(|ended| !ended.gone()).count() == 1;
             for ended in group.iter_mut().filter(|ended| ended.succeeded()) {
                 ended.part = match alone {
                     true => Part::Answered(Outcome::retry_later(

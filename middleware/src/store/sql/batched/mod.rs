@@ -52,9 +52,10 @@ pub(crate) trait TransactionalRecord: TierDecision + Clone + fmt::Debug {
     ) -> impl Future<Output = Result<Vec<Begin>, StoreError>> + Send;
 
     /// Takes back, in the open transaction, the claims of `requests` whose deliveries went
-    /// away before their handlers ran: their rows are left as a failed attempt leaves them
-    /// (`FAILURE`), so that the key's next delivery takes it over, and the rest of the
-    /// batch may commit.
+    /// away before their handlers ran, so that the rest of the batch may commit: a key the
+    /// batch claimed first goes as if never claimed (no row is left behind), one it took
+    /// over is left as a failed attempt leaves it (`FAILURE`); either way the key's next
+    /// delivery runs.
     fn withdraw(
         &self,
         open: &Self::Open,

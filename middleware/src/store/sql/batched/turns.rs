@@ -1,7 +1,9 @@
 //! The batched mode with per-delivery handlers: each delivery's handler runs in turn on the
 //! lane's task, inside the batch's transaction.
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::task::Poll;
 
 use futures_util::FutureExt;
 use tower_service::Service;
@@ -63,24 +65,13 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 });
                 continue;
             }
-            let run = AssertUnwindSafe(work(transaction.clone())).catch_unwind();
-            // A panic or a cut-off handler may leave a statement running: the connection is
-            // closed, not rolled back. The run is polled first: a delivery whose sender went
-            // away just now, before its handler started, answers `Abandoned` on that first
-            // poll, without running anything, and is taken out of the batch like one gone
-            // before its turn.
-            let outcome = tokio::select! {
-                biased;
-                ran = run => {
-                    written.tainted |= ran.is_err();
-                    Some(ran.unwrap_or_else(|panic| panicked(panic.as_ref())))
-                }
-                () = reply.closed() => {
-                    written.tainted = true;
-                    None
-                }
-            };
-            if let Some(Outcome::RetryLater(retry)) = &outcome
+            let mut run = std::pin::pin!(AssertUnwindSafe(work(transaction.clone())).catch_unwind());
+            // A delivery whose sender went away just now, before its handler started, answers
+            // `Abandoned` on the run's first poll, having run nothing, and is taken out of the
+            // batch like one gone before its turn. Only then: a run that awaited anything may
+            // have written, and its `Abandoned` is a failure like any other.
+            let at_once = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
+            if let Poll::Ready(Ok(Outcome::RetryLater(retry))) = &at_once
                 && retry.reason == RetryReason::Abandoned
             {
                 written.ended.push(Ended {
@@ -90,6 +81,24 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 });
                 continue;
             }
+            // A panic or a cut-off handler may leave a statement running: the connection is
+            // closed, not rolled back.
+            let outcome = match at_once {
+                Poll::Ready(ran) => {
+                    written.tainted |= ran.is_err();
+                    Some(ran.unwrap_or_else(|panic| panicked(panic.as_ref())))
+                }
+                Poll::Pending => tokio::select! {
+                    ran = run => {
+                        written.tainted |= ran.is_err();
+                        Some(ran.unwrap_or_else(|panic| panicked(panic.as_ref())))
+                    }
+                    () = reply.closed() => {
+                        written.tainted = true;
+                        None
+                    }
+                },
+            };
             failed = !outcome.as_ref().is_some_and(Outcome::is_settled);
             // After another handler, a failure may be that one's doing (a failed statement
             // it swallowed aborts the transaction on PostgreSQL); a cut-off delivery is gone.
