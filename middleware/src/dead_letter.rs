@@ -44,6 +44,26 @@ pub const HISTORY: &str = "x-oncely-history";
 /// forever, so its body is cut to fit instead. Written by the RocketMQ adapter.
 pub const BODY_CUT: &str = "x-oncely-body-cut";
 
+/// Every metadata name a dead letter carries (all but [`HISTORY`]): what oncely writes, and
+/// what nobody else may. The adapters drop a producer's own values of these on the way in —
+/// a handler never sees them, and no copy of the message (a retry, a dead letter) keeps them
+/// — so that a message is counted as oncely's dead letter only when oncely wrote it so.
+pub const SCHEMA: [&str; 8] = [
+    REASON,
+    DETAIL,
+    ATTEMPTS,
+    ROUTE,
+    SOURCE,
+    DEAD_LETTERED_AT,
+    MESSAGE_ID,
+    BODY_CUT,
+];
+
+/// True when `name` is one of oncely's dead-letter metadata names ([`SCHEMA`]).
+pub fn is_schema(name: &str) -> bool {
+    SCHEMA.contains(&name)
+}
+
 /// The longest value written, in characters (not bytes); longer values, in practice only a
 /// detail, are cut. The metadata travels with every dead letter and counts against the
 /// broker's message size limits, and a detail can quote an error or a payload of any length.

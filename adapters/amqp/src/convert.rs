@@ -32,9 +32,14 @@ pub const SEAL_HEADER: &str = "x-oncely-seal";
 ///
 /// Header values keep their bytes for strings and byte arrays and their decimal spelling
 /// for numbers and booleans; nested tables and arrays are left out.
+///
+/// oncely's dead-letter metadata ([`oncely::dead_letter::SCHEMA`]) is left out: on a
+/// message coming in, it is a producer's, not oncely's.
 pub fn to_delivery(delivery: &AmqpDelivery, queue: &str) -> Delivery {
     let properties = &delivery.properties;
-    let headers = properties.headers().as_ref().map(to_headers).unwrap_or_default();
+    let headers = properties.headers().as_ref().map_or_else(Headers::new, |table| {
+        text_headers(table, |name| !oncely::dead_letter::is_schema(name))
+    });
     let attempt = Counters::of(delivery, queue).attempt;
     let mut converted = Delivery::new(Source::new(queue), delivery.data.clone())
         .with_headers(headers)
@@ -46,9 +51,17 @@ pub fn to_delivery(delivery: &AmqpDelivery, queue: &str) -> Delivery {
     converted
 }
 
-fn to_headers(table: &FieldTable) -> Headers {
+/// Every header of `table` as text, as [`to_delivery`] reads them (strings as they are,
+/// numbers and booleans spelt out, nested tables and arrays left out), oncely's dead-letter
+/// metadata included: for readers of dead letters.
+pub fn headers_of(table: &FieldTable) -> Headers {
+    text_headers(table, |_| true)
+}
+
+/// The headers of `table` whose names `keep` takes, as text.
+fn text_headers(table: &FieldTable, keep: impl Fn(&str) -> bool) -> Headers {
     let mut headers = Headers::new();
-    for (name, value) in table.inner() {
+    for (name, value) in table.inner().iter().filter(|(name, _)| keep(name.as_str())) {
         let bytes: Option<Vec<u8>> = match value {
             AMQPValue::LongString(text) => Some(text.as_bytes().to_vec()),
             AMQPValue::ShortString(text) => Some(text.as_str().as_bytes().to_vec()),
@@ -108,14 +121,16 @@ impl Counters {
     /// The counters `delivery` carries if their seal matches its body and `queue` (the
     /// topology's work queue); [`Counters::FIRST`] otherwise.
     pub(crate) fn of(delivery: &AmqpDelivery, queue: &str) -> Counters {
-        let Some(table) = delivery.properties.headers().as_ref() else {
-            return Counters::FIRST;
-        };
+        Counters::sealed(delivery, queue).unwrap_or(Counters::FIRST)
+    }
+
+    /// The counters `delivery` carries if their seal matches its body and `queue`: `None`
+    /// on a message the runner did not copy itself.
+    pub(crate) fn sealed(delivery: &AmqpDelivery, queue: &str) -> Option<Counters> {
+        let table = delivery.properties.headers().as_ref()?;
         let headers = table.inner();
         let read = |name: &str| headers.get(name).and_then(counter_of);
-        let Some(attempt) = read(ATTEMPT_HEADER) else {
-            return Counters::FIRST;
-        };
+        let attempt = read(ATTEMPT_HEADER)?;
         // Beyond u32 a counter saturates, below 1 an attempt reads as the first.
         let counters = Counters {
             attempt: u32::try_from(attempt.max(1)).unwrap_or(u32::MAX),
@@ -127,7 +142,7 @@ impl Counters {
             }
             _ => false,
         };
-        if sealed { counters } else { Counters::FIRST }
+        sealed.then_some(counters)
     }
 
     /// Writes the counters and their seal for a copy of `body` that comes back to the
@@ -175,7 +190,7 @@ mod tests {
         table.insert("x-order".into(), AMQPValue::LongString("o-1".into()));
         table.insert("x-count".into(), AMQPValue::LongInt(-3));
         table.insert("x-nested".into(), AMQPValue::FieldTable(FieldTable::default()));
-        let headers = to_headers(&table);
+        let headers = headers_of(&table);
         assert_eq!(headers.get("x-order").map(|v| v.as_ref()), Some(&b"o-1"[..]));
         assert_eq!(headers.get("x-count").map(|v| v.as_ref()), Some(&b"-3"[..]));
         assert!(headers.get("x-nested").is_none());

@@ -33,13 +33,13 @@ mod producer;
 mod runner;
 mod topology;
 
-pub use convert::{ATTEMPT_HEADER, SEAL_HEADER, to_delivery};
+pub use convert::{ATTEMPT_HEADER, SEAL_HEADER, headers_of, to_delivery};
 pub use error::Error;
 pub use producer::{DEFAULT_KEY_HEADER, Producer};
 pub use runner::{
     DEFAULT_CONCURRENCY, DEFAULT_MAX_CONNECT_FAILURES, DEFAULT_MAX_DELIVERIES, DEFAULT_PREFETCH,
     ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER, RETURNS_HEADER, Runner, SETTLE_RETRY_DELAY,
-    SuspectGate,
+    SuspectGate, is_broker_death,
 };
 pub use topology::{DEAD_LETTER_DELIVERY_LIMIT, SafetyNetPolicy, Topology};
 

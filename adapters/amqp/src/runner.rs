@@ -933,7 +933,18 @@ impl Settle<'_> {
             BrokerAction::DeadLetter(dead) => {
                 // Unsealed and without the runner's counter: replayed from the dead-letter
                 // queue, it starts afresh. The attempt it reached is `x-oncely-attempts`.
-                let mut headers = copy_headers(self.delivery);
+                let mut headers = copy_headers(self.delivery, self.topology.queue());
+                // Without the broker's dead-lettering marks (from the retry queues' hops): a
+                // letter that carries them was dead-lettered by the broker, not by oncely,
+                // which is how `oncely dlq` tells a forged letter from oncely's own.
+                let inner = headers.inner().clone();
+                let broker_marks = inner.keys().filter(|name| is_broker_death(name.as_str()));
+                let broker_marks: Vec<_> = broker_marks.cloned().collect();
+                let mut inner = inner;
+                for name in broker_marks {
+                    inner.remove(&name);
+                }
+                headers = FieldTable::from(inner);
                 let message_id = self.delivery.properties.message_id().as_ref();
                 let context = dead_letter::Context {
                     route: self.route,
@@ -951,7 +962,7 @@ impl Settle<'_> {
 
     /// The headers of a copy that comes back to the runner, with `counters` sealed.
     fn sealed_copy(&self, counters: Counters) -> FieldTable {
-        let mut headers = copy_headers(self.delivery);
+        let mut headers = copy_headers(self.delivery, self.topology.queue());
         counters.write_sealed(&mut headers, self.topology.queue(), &self.delivery.data);
         headers
     }
@@ -988,10 +999,12 @@ impl Settle<'_> {
     }
 }
 
-/// The delivery's headers for a copy: its own, less the broker's count and the runner's
-/// counters (set again by the caller), with the original exchange and routing key (kept
-/// from an earlier copy).
-fn copy_headers(delivery: &AmqpDelivery) -> FieldTable {
+/// The delivery's headers for a copy: its own, less the broker's count, the runner's
+/// counters (set again by the caller) and any dead-letter metadata (a producer's: oncely's
+/// own is written on the dead-letter copy by the caller), with the original exchange and
+/// routing key — kept from an earlier copy of the runner's own (sealed for work queue
+/// `queue`), else the delivery's: a producer's values of those are not trusted either.
+fn copy_headers(delivery: &AmqpDelivery, queue: &str) -> FieldTable {
     let mut headers = delivery
         .properties
         .headers()
@@ -1001,16 +1014,20 @@ fn copy_headers(delivery: &AmqpDelivery) -> FieldTable {
         .clone();
     // The broker's count belongs to the delivery, not the copy (a new message to the broker);
     // the runner's counters are the caller's to set, sealed or not.
+    let ours = Counters::sealed(delivery, queue).is_some();
     for name in [
         DELIVERY_COUNT_HEADER,
         RETURNS_HEADER,
         SEAL_HEADER,
         crate::ATTEMPT_HEADER,
-    ] {
+    ]
+    .into_iter()
+    .chain(oncely::dead_letter::SCHEMA)
+    {
         headers.remove(name);
     }
     let mut headers = FieldTable::from(headers);
-    if !headers.contains_key(ORIGINAL_EXCHANGE_HEADER) {
+    if !ours || !headers.contains_key(ORIGINAL_EXCHANGE_HEADER) {
         headers.insert(
             ORIGINAL_EXCHANGE_HEADER.into(),
             AMQPValue::LongString(delivery.exchange.as_str().into()),
@@ -1021,6 +1038,12 @@ fn copy_headers(delivery: &AmqpDelivery) -> FieldTable {
         );
     }
     headers
+}
+
+/// True for a header RabbitMQ writes when it dead-letters a message itself (`x-death`,
+/// `x-first-death-*`, `x-last-death-*`).
+pub fn is_broker_death(name: &str) -> bool {
+    name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
 }
 
 /// Publishes as mandatory and waits for the broker's confirm (the channel must be in

@@ -10,7 +10,7 @@ use rocketmq_model::common::message::{MessageConst, STRING_HASH_SET};
 /// |---|---|
 /// | broker key | the first of the message's `KEYS` (RocketMQ separates several keys by spaces) |
 /// | message id | the producer's unique id, the `UNIQ_KEY` property — not [`MessageExt::msg_id`], which is the broker's storage offset id and differs between a message and its re-sent copy |
-/// | headers | the user properties (system properties such as `KEYS` or `TAGS` are left out) |
+/// | headers | the user properties (system properties such as `KEYS` or `TAGS` are left out, and so is oncely's dead-letter metadata, [`oncely::dead_letter::SCHEMA`]: on a message coming in it is a producer's) |
 /// | attempt | reconsume times + 1 |
 /// | redelivered | reconsume times > 0 |
 /// | source | the topic; for a message coming back from the group's retry topic, the original topic (`RETRY_TOPIC`) |
@@ -25,8 +25,9 @@ pub fn to_delivery(message: &MessageExt) -> Delivery {
     let reconsume_times = u32::try_from(message.reconsume_times()).unwrap_or(0);
 
     let mut headers = Headers::new();
+    // oncely's dead-letter metadata on a message coming in is a producer's, not oncely's.
     for (name, value) in properties {
-        if !STRING_HASH_SET.contains(name.as_str()) {
+        if !STRING_HASH_SET.contains(name.as_str()) && !oncely::dead_letter::is_schema(name.as_str()) {
             headers.insert(name.as_str(), value.as_str().as_bytes().to_vec());
         }
     }

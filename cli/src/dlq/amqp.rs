@@ -193,24 +193,43 @@ fn is_not_found(error: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// What the dead-letter schema says of `message`, at `position`.
+///
+/// A message RabbitMQ dead-lettered itself (it carries `x-death`: rejected by another
+/// consumer, past a delivery limit or a TTL) is the broker's, whatever else it carries: the
+/// runner writes its dead letters without those marks, and drops a producer's dead-letter
+/// headers, so a letter with both was forged, or copied by mistake.
 fn describe(position: usize, message: &BasicGetMessage) -> DeadLetterInfo {
     let properties = &message.delivery.properties;
     let message_id = properties.message_id().as_ref().map(|id| id.to_string());
-    DeadLetterInfo::new(
+    let info = DeadLetterInfo::new(
         position,
         message_id,
         &headers(message),
         message.delivery.data.len(),
-    )
+    );
+    let broker_dead_lettered = properties.headers().as_ref().is_some_and(|table| {
+        table
+            .inner()
+            .keys()
+            .any(|name| oncely_amqp::is_broker_death(name.as_str()))
+    });
+    match broker_dead_lettered {
+        true => info.not_oncely(),
+        false => info,
+    }
 }
 
-/// The message's headers as text, read as the runner reads them (`oncely_amqp::to_delivery`):
-/// strings as they are, numbers and booleans spelled out; nested tables left out.
+/// The message's headers as text (`oncely_amqp::headers_of`): strings as they are, numbers
+/// and booleans spelled out; nested tables left out.
 fn headers(message: &BasicGetMessage) -> BTreeMap<String, String> {
-    // The queue only matters to the runner's counters, which are not read here.
-    let delivery = oncely_amqp::to_delivery(&message.delivery, "");
-    delivery
+    let headers = message
+        .delivery
+        .properties
         .headers()
+        .as_ref()
+        .map(oncely_amqp::headers_of);
+    headers
+        .unwrap_or_default()
         .iter()
         .map(|(name, value)| (name.to_owned(), String::from_utf8_lossy(value).into_owned()))
         .collect()

@@ -203,16 +203,7 @@ struct Whole<'m> {
 
 /// What a replayed copy must not carry: the dead-letter schema; the history keeps the
 /// reason. Each broker adds its own counters.
-const SCHEMA_NAMES: [&str; 8] = [
-    dead_letter::REASON,
-    dead_letter::DETAIL,
-    dead_letter::ATTEMPTS,
-    dead_letter::ROUTE,
-    dead_letter::SOURCE,
-    dead_letter::DEAD_LETTERED_AT,
-    dead_letter::MESSAGE_ID,
-    dead_letter::BODY_CUT,
-];
+const SCHEMA_NAMES: [&str; 8] = dead_letter::SCHEMA;
 
 /// One dead letter, as the dead-letter schema describes it.
 #[derive(Clone, Debug, Serialize)]
@@ -235,6 +226,13 @@ pub(crate) struct DeadLetterInfo {
 }
 
 impl DeadLetterInfo {
+    /// This letter, taken as not oncely's whatever its headers say: the broker dead-lettered
+    /// it itself. Listed, never replayed nor purged.
+    fn not_oncely(mut self) -> Self {
+        self.oncely = false;
+        self
+    }
+
     /// The dead letter at `position` with `metadata` (name → text), `message_id` and a body
     /// of `body_bytes`.
     fn new(

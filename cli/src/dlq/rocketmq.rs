@@ -30,10 +30,10 @@ use oncely::dead_letter;
 use oncely_rocketmq::rocketmq_client_rust::{
     ClientConfig, ClientOptions, DefaultLitePullConsumer, DefaultMQProducer, OffsetStore,
 };
-use oncely_rocketmq::rocketmq_model::common::message::MessageConst;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::rocketmq_model::common::message::message_queue::MessageQueue;
 use oncely_rocketmq::rocketmq_model::common::message::message_single::Message;
+use oncely_rocketmq::rocketmq_model::common::message::{MessageConst, STRING_HASH_SET};
 use oncely_rocketmq::{OwnedClientRuntime, kept_properties, send_stored};
 
 use super::{DeadLetterInfo, DeadLetters, Filter, SCHEMA_NAMES, Whole};
@@ -437,15 +437,25 @@ async fn reachable(remote: &Remote, namesrv: &str) -> Result<(), CliError> {
 
 /// The user properties of `message`, with `KEYS` and `TAGS`, as text.
 fn user_properties(message: &MessageExt) -> BTreeMap<String, String> {
-    kept_properties(message)
-        .into_iter()
+    let kept = [MessageConst::PROPERTY_KEYS, MessageConst::PROPERTY_TAGS];
+    message
+        .properties()
+        .iter()
+        .filter(|(name, _)| kept.contains(&name.as_str()) || !STRING_HASH_SET.contains(name.as_str()))
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect()
 }
 
 /// What the dead-letter schema says of `message`, at `position`: the message id is the
-/// original's, from the metadata.
+/// original's, from the metadata. A message of one of RocketMQ's own retry or dead-letter
+/// topics (`%RETRY%…`, `%DLQ%…`) is the broker's, whatever it carries: a producer's
+/// dead-letter metadata on it is not oncely's.
 fn describe(position: usize, message: &MessageExt) -> DeadLetterInfo {
     let body_bytes = message.message_inner().body_slice().len();
-    DeadLetterInfo::new(position, None, &user_properties(message), body_bytes)
+    let info = DeadLetterInfo::new(position, None, &user_properties(message), body_bytes);
+    let topic = message.topic().as_str();
+    match topic.starts_with("%DLQ%") || topic.starts_with("%RETRY%") {
+        true => info.not_oncely(),
+        false => info,
+    }
 }
