@@ -7,7 +7,7 @@ SHELL := bash
 AMQP_ADDR_4 ?= amqp://guest:guest@127.0.0.1:5673/%2f
 .SHELLFLAGS := -eo pipefail -c
 
-.PHONY: demo test fmt lint doc services bench chaos
+.PHONY: demo test fmt lint doc services bench chaos fuzz
 
 ## The zero-setup quickstart: the whole stack on in-memory stores, no servers.
 demo:
@@ -70,6 +70,16 @@ doc:
 ## MariaDB, RabbitMQ 3 and 4, RocketMQ's Rust name server and broker).
 services:
 	integration-tests/services.sh
+
+## The property tests over every parser a client or producer feeds (the Idempotency-Key
+## header, one-time tokens, key templates and JSON pointers, the canonical-JSON fingerprint,
+## AMQP headers, RocketMQ properties) at FUZZ_CASES generated inputs each instead of the 256
+## `make test` runs. Each property's count is printed as it passes.
+FUZZ_CASES ?= 100000
+fuzz:
+	PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test --release -p oncely -p oncely-http -p oncely-amqp \
+	  -p oncely-rocketmq --all-features --lib -- prop_ --test-threads 2 2>&1 | \
+	  sed -n 's/^test \(.*prop_[a-z_]*\) \.\.\. ok$$/$(FUZZ_CASES) inputs: \1 ok/p; /FAILED\|panicked\|minimal failing/p'
 
 ## Every benchmark, each tier against the raw limit of its own store, in one run.
 bench: services

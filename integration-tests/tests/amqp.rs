@@ -635,8 +635,10 @@ async fn connection_failures_that_retrying_cannot_fix_end_the_runner_with_their_
         .await;
     let error = declared.expect_err("a refused declaration is an error");
     assert!(
-        matches!(error, oncely_amqp::Error::Amqp(_)) && !error.is_retryable(),
-        "refused at the first attempt: {error}"
+        matches!(&error, oncely_amqp::Error::QueueMismatch { queue: named, argument, .. }
+            if *named == queue && argument == "durable")
+            && !error.is_retryable(),
+        "refused at the first attempt, naming the queue and the argument: {error}"
     );
     drop(connection);
 

@@ -22,18 +22,32 @@ fn rust_block_after(readme: &str, marker: &str) -> String {
 
 #[test]
 fn the_http_example_in_the_readme_is_the_one_ci_builds() {
-    let shown = rust_block_after(&read("README.md"), "<!-- http-orders:");
-    let example = read("examples/payment-callback/src/orders.rs");
+    for (marker, file) in [
+        ("<!-- http-orders:", "examples/payment-callback/src/orders.rs"),
+        (
+            "<!-- http-orders-mariadb:",
+            "examples/payment-callback/src/orders_mariadb.rs",
+        ),
+    ] {
+        the_readme_shows(marker, file);
+    }
+}
+
+/// Asserts that the README's Rust block after `marker` is the `README: begin`…`end` part
+/// of `file`, in at most 15 lines.
+fn the_readme_shows(marker: &str, file: &str) {
+    let shown = rust_block_after(&read("README.md"), marker);
+    let example = read(file);
     let begin = example.find("// README: begin\n").expect("the begin marker") + "// README: begin\n".len();
     let end = example.find("// README: end").expect("the end marker");
     assert_eq!(
         shown,
         example[begin..end].trim_end(),
-        "README's HTTP example differs"
+        "README's HTTP example ({file}) differs"
     );
     assert!(
         shown.lines().count() <= 15,
-        "the README's HTTP example is over 15 lines"
+        "the README's HTTP example ({file}) is over 15 lines"
     );
 }
 

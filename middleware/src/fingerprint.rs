@@ -219,6 +219,10 @@ fn write_canonical(value: &serde_json::Value, out: &mut Vec<u8>) {
             }
             out.push(b'}');
         }
+        // -0.0 and 0.0 are one number (and equal as parsed JSON): one spelling.
+        Value::Number(number) if number.as_f64() == Some(0.0) && number.is_f64() => {
+            out.extend_from_slice(b"0.0")
+        }
         scalar => out.extend_from_slice(scalar.to_string().as_bytes()),
     }
 }
@@ -269,6 +273,16 @@ mod tests {
             of(r#"{ "b": [1, {"c":3, "d":2}], "a": 1 }"#)
         );
         assert_ne!(of(r#"{"a":1}"#), of(r#"{"a":2}"#));
+        assert_eq!(
+            of(r#"{"a":-0.0}"#),
+            of(r#"{"a":0.0}"#),
+            "one number, one fingerprint"
+        );
+        assert_ne!(
+            of(r#"{"a":1.0}"#),
+            of(r#"{"a":1}"#),
+            "as documented: 1 and 1.0 differ"
+        );
         assert!(canonical.fingerprint(&delivery("not json")).is_err());
 
         let in_context = |context: &'static str| {
@@ -287,5 +301,88 @@ mod tests {
         let off = FingerprintPolicy::off().fingerprint(&delivery("x")).unwrap();
         assert!(off.matches(first) && first.matches(off));
         assert!(!first.matches(of(r#"{"orderId":"o-2"}"#)));
+    }
+}
+
+/// Properties over inputs no one wrote by hand: `PROPTEST_CASES` sets how many (256 unless
+/// set; `make fuzz` runs many more).
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+    use serde_json::{Map, Number, Value};
+
+    use super::*;
+    use crate::envelope::Source;
+
+    /// Any JSON document: scalars (integers, finite doubles, strings, booleans, null) in
+    /// arrays and objects, a few levels deep.
+    fn document() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |number| number.is_finite())
+                .prop_map(|number| Value::Number(Number::from_f64(number).expect("finite"))),
+            "\\PC{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map("[a-c]{1,2}", inner, 0..4)
+                    .prop_map(|fields| Value::Object(fields.into_iter().collect::<Map<_, _>>())),
+            ]
+        })
+    }
+
+    /// `value` written with every object's keys in reverse order and spaces between tokens:
+    /// the same document as another producer might serialise it.
+    fn written_otherwise(value: &Value) -> String {
+        match value {
+            Value::Array(items) => {
+                let items: Vec<String> = items.iter().map(written_otherwise).collect();
+                format!("[ {} ]", items.join(" , "))
+            }
+            Value::Object(fields) => {
+                let fields: Vec<String> = fields
+                    .iter()
+                    .rev()
+                    .map(|(name, field)| {
+                        format!("{} : {}", Value::from(name.as_str()), written_otherwise(field))
+                    })
+                    .collect();
+                format!("{{ {} }}", fields.join(" , "))
+            }
+            scalar => scalar.to_string(),
+        }
+    }
+
+    fn canonical(body: String) -> Fingerprint {
+        let delivery = Delivery::new(Source::new("q"), body);
+        FingerprintPolicy::canonical_json()
+            .fingerprint(&delivery)
+            .expect("a JSON body")
+    }
+
+    proptest! {
+        /// Equal documents fingerprint alike however they are written; unequal ones apart.
+        #[test]
+        fn prop_equal_documents_fingerprint_alike_and_unequal_ones_apart(a in document(), b in document()) {
+            prop_assert_eq!(canonical(a.to_string()), canonical(written_otherwise(&a)));
+            prop_assert_eq!(a == b, canonical(a.to_string()) == canonical(b.to_string()), "{} vs {}", a, b);
+        }
+
+        /// Any body under any policy answers a fingerprint or a typed refusal, never a panic.
+        #[test]
+        fn prop_any_body_fingerprints_or_is_refused(body in prop::collection::vec(any::<u8>(), 0..200)) {
+            let delivery = Delivery::new(Source::new("q"), body);
+            for policy in [
+                FingerprintPolicy::whole_body(),
+                FingerprintPolicy::canonical_json(),
+                FingerprintPolicy::fields(["/a", "/b/0", ""]).expect("pointers"),
+            ] {
+                let _ = policy.fingerprint(&delivery);
+            }
+        }
     }
 }

@@ -134,8 +134,15 @@ impl KeyExtractor {
 
     /// Reads the key from `delivery`. The body is parsed as JSON only when a part needs it,
     /// and then only once per delivery ([`Delivery::json`]).
+    ///
+    /// A template of two fields or more writes each field's value with `%` and the
+    /// characters of its literal text percent-encoded (`%25`, `:` as `%3A`, …), so that no
+    /// two deliveries with different values compose the same key: `{/a}:{/b}` would
+    /// otherwise read `x:y` and `z` as it reads `x` and `y:z`. One field's value is written
+    /// as it is.
     pub fn extract(&self, delivery: &Delivery) -> Result<BusinessKey, InputError> {
         let mut key = String::new();
+        let escaped = self.escaped();
         for part in self.parts.iter() {
             match part {
                 Part::Literal(text) => key.push_str(text),
@@ -152,7 +159,10 @@ impl KeyExtractor {
                             character,
                         });
                     }
-                    key.push_str(&value);
+                    match &escaped {
+                        None => key.push_str(&value),
+                        Some(escaped) => push_escaped(&mut key, &value, escaped),
+                    }
                 }
             }
         }
@@ -163,6 +173,42 @@ impl KeyExtractor {
             });
         }
         Ok(BusinessKey::new(key))
+    }
+}
+
+impl KeyExtractor {
+    /// The characters a field's value is written with percent-encoded: `%` and those of the
+    /// literal text, for a template of two fields or more; `None` for one field.
+    fn escaped(&self) -> Option<Vec<char>> {
+        let fields = self
+            .parts
+            .iter()
+            .filter(|part| matches!(part, Part::Field(_)))
+            .count();
+        (fields > 1).then(|| {
+            let mut escaped = vec!['%'];
+            for part in self.parts.iter() {
+                if let Part::Literal(text) = part {
+                    escaped.extend(text.chars().filter(|c| !escaped.contains(c)).collect::<Vec<_>>());
+                }
+            }
+            escaped
+        })
+    }
+}
+
+/// `value` onto `key`, with each of `escaped` written as the `%XX` of its UTF-8 bytes.
+fn push_escaped(key: &mut String, value: &str, escaped: &[char]) {
+    for character in value.chars() {
+        match escaped.contains(&character) {
+            true => {
+                let mut bytes = [0; 4];
+                for byte in character.encode_utf8(&mut bytes).bytes() {
+                    key.push_str(&format!("%{byte:02X}"));
+                }
+            }
+            false => key.push(character),
+        }
     }
 }
 
@@ -252,6 +298,14 @@ fn parse_template(template: &str) -> Result<Vec<Part>, &'static str> {
     if !parts.iter().any(|part| matches!(part, Part::Field(_))) {
         return Err("no field in the template: every message would share one key");
     }
+    let adjacent = parts
+        .windows(2)
+        .any(|pair| matches!(pair, [Part::Field(_), Part::Field(_)]));
+    if adjacent {
+        return Err(
+            "two fields with no text between them: `{/a}{/b}` reads `ab`+`c` as it reads `a`+`bc`; put a separator between",
+        );
+    }
     Ok(parts)
 }
 
@@ -293,6 +347,10 @@ mod tests {
         );
         let composed = KeyExtractor::template("order_{/order/id}:{header:x-biz}:{{x}}").unwrap();
         assert_eq!(key(composed), "order_42:h-1:{x}");
+        // Two fields: their values are written with the template's characters escaped.
+        let d = d.with_header("x-biz", "h:1_%");
+        let composed = KeyExtractor::template("{/sku}:{header:x-biz}").unwrap();
+        assert_eq!(composed.extract(&d).unwrap().as_str(), "A-1:h%3A1_%25");
     }
 
     #[test]
@@ -367,12 +425,106 @@ mod tests {
 
     #[test]
     fn bad_templates_are_config_errors() {
-        for template in ["plain", "{", "}", "{nope}", "{header:}", ""] {
+        for template in ["plain", "{", "}", "{nope}", "{header:}", "", "{/a}{/b}"] {
             let error = KeyExtractor::template(template).unwrap_err();
             assert!(
                 matches!(error, ConfigError::InvalidTemplate { .. }),
                 "{template}: {error}"
             );
+        }
+    }
+}
+
+/// Properties over inputs no one wrote by hand: `PROPTEST_CASES` sets how many (256 unless
+/// set; `make fuzz` runs many more).
+#[cfg(test)]
+mod properties {
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::envelope::Source;
+
+    /// A template of one to three body fields `/f0`, `/f1`, … with literal text between and
+    /// around them, and the literals.
+    fn template() -> impl Strategy<Value = String> {
+        (1..=3usize, vec("[a-z:_/.%{}-]{0,3}", 4)).prop_map(|(fields, literals)| {
+            let literal = |text: &String| text.replace('{', "{{").replace('}', "}}");
+            let mut template = literal(&literals[0]);
+            for field in 0..fields {
+                template.push_str(&format!("{{/f{field}}}"));
+                // A separator between fields: adjacent fields are refused.
+                let between = literal(&literals[field + 1]);
+                match (field + 1 < fields, between.is_empty()) {
+                    (true, true) => template.push(':'),
+                    _ => template.push_str(&between),
+                }
+            }
+            template
+        })
+    }
+
+    fn body(values: &[String]) -> Delivery {
+        let mut document = serde_json::Map::new();
+        for (field, value) in values.iter().enumerate() {
+            document.insert(format!("f{field}"), json!(value));
+        }
+        Delivery::new(Source::new("q"), Value::Object(document).to_string())
+    }
+
+    proptest! {
+        /// A key read by a template is one a store can keep — not empty, no control
+        /// character, within the limit — or a typed refusal; and two deliveries whose fields
+        /// differ never get one key.
+        #[test]
+        fn prop_template_keys_are_storable_and_never_shared(
+            template in template(),
+            a in vec("\\PC{0,12}|[\\x00-\\x1f]", 3),
+            b in vec("\\PC{0,12}|[\\x00-\\x1f]", 3),
+        ) {
+            let keys = KeyExtractor::template(&template).expect("a valid template");
+            let fields = keys.parts.iter().filter(|part| matches!(part, Part::Field(_))).count();
+            let (a, b) = (&a[..fields], &b[..fields]);
+            let (key_a, key_b) = (keys.extract(&body(a)), keys.extract(&body(b)));
+            for key in [&key_a, &key_b].into_iter().flatten() {
+                prop_assert!(!key.as_str().is_empty());
+                prop_assert!(!key.as_str().chars().any(char::is_control), "{key:?}");
+                prop_assert!(key.as_str().len() <= DEFAULT_MAX_KEY_LEN);
+            }
+            if let (Ok(key_a), Ok(key_b)) = (&key_a, &key_b) {
+                prop_assert_eq!(a == b, key_a == key_b, "{} made {} and {}", template, key_a, key_b);
+            }
+        }
+
+        /// Two fields whose values hold the text between them, split otherwise — `x:y` and
+        /// `z` against `x` and `y:z` — never make the same key.
+        #[test]
+        fn prop_values_split_otherwise_make_another_key(
+            separator in "[:_/.%-]{1,2}",
+            parts in ("[a-c:_/.%-]{1,3}", "[a-c:_/.%-]{1,3}", "[a-c:_/.%-]{1,3}"),
+        ) {
+            let (p, q, y) = parts;
+            let keys = KeyExtractor::template(&format!("{{/f0}}{separator}{{/f1}}")).expect("a template");
+            let original = [format!("{p}{separator}{q}"), y.clone()];
+            let moved = [p, format!("{q}{separator}{y}")];
+            let (a, b) = (keys.extract(&body(&original)), keys.extract(&body(&moved)));
+            if let (Ok(a), Ok(b)) = (a, b) {
+                prop_assert_eq!(original == moved, a == b, "{:?} and {:?} made {} and {}", original, moved, a, b);
+            }
+        }
+
+        /// Any JSON pointer on any body answers a key or a typed refusal, never a panic.
+        #[test]
+        fn prop_a_pointer_on_any_body_answers(body in vec(any::<u8>(), 0..200), pointer in "(/[a-z0-9~]{0,4}){0,3}") {
+            let delivery = Delivery::new(Source::new("q"), body);
+            let _ = KeyExtractor::json_pointer(pointer).extract(&delivery);
+        }
+
+        /// Any template text is a template or a typed refusal, never a panic.
+        #[test]
+        fn prop_any_template_text_parses_or_is_refused(text in "[{}a-z:/_]{0,24}") {
+            let _ = KeyExtractor::template(&text);
         }
     }
 }

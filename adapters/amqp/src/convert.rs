@@ -248,3 +248,82 @@ mod tests {
         );
     }
 }
+
+/// Properties over inputs no one wrote by hand: `PROPTEST_CASES` sets how many (256 unless
+/// set; `make fuzz` runs many more).
+#[cfg(test)]
+mod properties {
+    use lapin::types::{ByteArray, FieldArray, LongString, ShortString};
+    use proptest::collection::{btree_map, vec};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Any header value a producer may send, nested tables and arrays one level deep.
+    fn value() -> impl Strategy<Value = AMQPValue> {
+        let scalar = prop_oneof![
+            vec(any::<u8>(), 0..40).prop_map(|bytes| AMQPValue::LongString(LongString::from(bytes))),
+            "\\PC{0,20}".prop_map(|text| AMQPValue::ShortString(ShortString::from(text))),
+            vec(any::<u8>(), 0..40).prop_map(|bytes| AMQPValue::ByteArray(ByteArray::from(bytes))),
+            any::<bool>().prop_map(AMQPValue::Boolean),
+            any::<i8>().prop_map(AMQPValue::ShortShortInt),
+            any::<u32>().prop_map(AMQPValue::LongUInt),
+            any::<i64>().prop_map(AMQPValue::LongLongInt),
+            any::<f64>().prop_map(AMQPValue::Double),
+        ];
+        scalar.prop_recursive(1, 8, 4, |inner| {
+            prop_oneof![
+                vec(inner.clone(), 0..3).prop_map(|items| AMQPValue::FieldArray(FieldArray::from(items))),
+                btree_map("[a-z-]{1,8}", inner, 0..3).prop_map(|fields| {
+                    let mut table = FieldTable::default();
+                    for (name, field) in fields {
+                        table.insert(name.into(), field);
+                    }
+                    AMQPValue::FieldTable(table)
+                }),
+            ]
+        })
+    }
+
+    /// Header names, oncely's own among them.
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            "[a-zA-Z0-9_.-]{1,16}",
+            proptest::sample::select(
+                oncely::dead_letter::SCHEMA
+                    .iter()
+                    .chain(&[SEAL_HEADER, crate::RETURNS_HEADER, "x-delivery-count"])
+                    .map(|name| name.to_string())
+                    .collect::<Vec<_>>(),
+            ),
+        ]
+    }
+
+    proptest! {
+        /// Any headers and body convert, never panicking: strings and byte arrays byte for
+        /// byte, oncely's dead-letter metadata left out, and counters a producer set never
+        /// read (no seal of theirs matches).
+        #[test]
+        fn prop_any_headers_convert(fields in btree_map(name(), value(), 0..8), body in vec(any::<u8>(), 0..64)) {
+            let mut table = FieldTable::default();
+            for (name, field) in &fields {
+                table.insert(name.as_str().into(), field.clone());
+            }
+            let mut delivery = AmqpDelivery::mock(1, "".into(), "orders".into(), false, body);
+            delivery.properties = lapin::BasicProperties::default().with_headers(table.clone());
+            let converted = to_delivery(&delivery, "orders");
+            for (name, field) in &fields {
+                let kept = converted.headers().get(name);
+                prop_assert_eq!(kept.is_some() && oncely::dead_letter::is_schema(name), false, "{} kept", name);
+                if let (AMQPValue::LongString(text), false) = (field, oncely::dead_letter::is_schema(name)) {
+                    prop_assert_eq!(kept.map(|value| value.as_ref()), Some(text.as_bytes()));
+                }
+            }
+            let all = headers_of(&table);
+            prop_assert!(all.len() <= fields.len());
+            if !fields.contains_key(SEAL_HEADER) {
+                prop_assert_eq!(converted.attempt(), 1);
+            }
+        }
+    }
+}

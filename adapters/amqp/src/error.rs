@@ -31,6 +31,26 @@ pub enum Error {
         /// The last failure.
         last: Box<Error>,
     },
+    /// A queue of the topology exists with other arguments than oncely declares it with
+    /// (a classic queue producers already publish to, say), and the broker refused the
+    /// declaration (`PRECONDITION_FAILED`). RabbitMQ never changes a declared queue's
+    /// arguments: consume it as it is
+    /// ([`Topology::with_existing_work_queue`](crate::Topology::with_existing_work_queue)), or
+    /// move onto oncely's own queues (README, "Moving onto a queue that already exists").
+    #[error(
+        "queue {queue:?} exists with other arguments than oncely's ({argument}): consume it as it is with \
+         Topology::with_existing_work_queue, or move onto oncely's queues (README, \"Moving onto a queue \
+         that already exists\"); the broker said: {said}"
+    )]
+    QueueMismatch {
+        /// The queue.
+        queue: String,
+        /// The argument the broker named (`x-dead-letter-exchange`, `x-queue-type`, …), or
+        /// "an argument" when it named none.
+        argument: String,
+        /// The broker's own words.
+        said: String,
+    },
     /// A publish was retried the configured number of times without a confirm.
     #[error("publish failed after {attempts} attempts: {last}")]
     PublishGaveUp {
@@ -50,7 +70,10 @@ impl Error {
         match self {
             Error::Amqp(error) => !refused_for_good(error),
             Error::Nacked | Error::ConfirmTimeout(_) => true,
-            Error::Unroutable { .. } | Error::PublishGaveUp { .. } | Error::ConnectGaveUp { .. } => false,
+            Error::Unroutable { .. }
+            | Error::PublishGaveUp { .. }
+            | Error::ConnectGaveUp { .. }
+            | Error::QueueMismatch { .. } => false,
         }
     }
 }
@@ -68,5 +91,33 @@ fn refused_for_good(error: &lapin::Error) -> bool {
         },
         lapin::ErrorKind::InvalidProtocolVersion(_) | lapin::ErrorKind::AuthProviderError(_) => true,
         _ => false,
+    }
+}
+
+impl Error {
+    /// `error`, a failed declaration of `queue`, as [`Error::QueueMismatch`] when the broker
+    /// refused it for arguments that differ from the existing queue's.
+    pub(crate) fn declaring(queue: &str, error: lapin::Error) -> Self {
+        use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+        let lapin::ErrorKind::ProtocolError(amqp) = error.kind() else {
+            return Error::Amqp(error);
+        };
+        if !matches!(
+            amqp.kind(),
+            AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+        ) {
+            return Error::Amqp(error);
+        }
+        let said = amqp.get_message().to_string();
+        // "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue …"
+        let argument = said
+            .split_once("inequivalent arg '")
+            .and_then(|(_, rest)| rest.split_once('\''))
+            .map_or_else(|| "an argument".to_owned(), |(argument, _)| argument.to_owned());
+        Error::QueueMismatch {
+            queue: queue.to_owned(),
+            argument,
+            said,
+        }
     }
 }

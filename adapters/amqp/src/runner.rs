@@ -792,7 +792,8 @@ fn worth_settling_again(error: &Error) -> bool {
         | Error::Amqp(_)
         | Error::Unroutable { .. }
         | Error::PublishGaveUp { .. }
-        | Error::ConnectGaveUp { .. } => false,
+        | Error::ConnectGaveUp { .. }
+        | Error::QueueMismatch { .. } => false,
     }
 }
 
@@ -819,7 +820,9 @@ fn suspect_counters(counters: Counters) -> Counters {
 
 /// How many times the broker returned `delivery` to the queue it came from, unsettled. Read
 /// only on a delivery the broker marks redelivered: on a first delivery the header is the
-/// producer's.
+/// producer's. A redelivered message without a count (a classic queue counts nothing; a
+/// quorum queue on RabbitMQ 4.3 does not count a nack) is taken as returned once: it came
+/// back unsettled at least that often.
 fn returned_here(delivery: &AmqpDelivery) -> u32 {
     if !delivery.redelivered {
         return 0;
@@ -829,7 +832,7 @@ fn returned_here(delivery: &AmqpDelivery) -> u32 {
         .headers()
         .as_ref()
         .and_then(|headers| headers.inner().get(DELIVERY_COUNT_HEADER).and_then(integer_of));
-    count.map_or(0, |count| u32::try_from(count.max(0)).unwrap_or(u32::MAX))
+    count.map_or(1, |count| u32::try_from(count.max(1)).unwrap_or(u32::MAX))
 }
 
 /// How many messages are ready in `queue`, by a passive declaration.

@@ -56,6 +56,8 @@ pub struct Topology {
     /// Whether the work and suspect queues are declared with their dead-letter arguments
     /// (false: a policy gives them, for queues declared before the arguments existed).
     safety_net_declared: bool,
+    /// Whether the work queue is taken as it exists (declared passively).
+    work_queue_as_is: bool,
 }
 
 /// The delivery limit of the dead-letter queue: high enough never to be reached by people
@@ -103,6 +105,7 @@ impl Topology {
             retry_delays: Vec::new(),
             retry_queues: Vec::new(),
             safety_net_declared: true,
+            work_queue_as_is: false,
             queue,
         }
         .with_retry_delays([1, 5, 30, 120].map(Duration::from_secs))
@@ -136,6 +139,31 @@ impl Topology {
     /// once. Without either, RabbitMQ 4.x drops a message past its delivery limit.
     pub fn with_safety_net_by_policy(mut self) -> Self {
         self.safety_net_declared = false;
+        self
+    }
+
+    /// Takes the work queue as it already exists — a classic or quorum queue that producers
+    /// already publish to, with whatever arguments it has — instead of declaring it: it is
+    /// declared passively (it must exist; nothing of it changes), and the suspect, retry and
+    /// dead-letter queues are declared beside it as usual. The drop-in onto a live queue,
+    /// without moving a message (README, "Moving onto a queue that already exists").
+    ///
+    /// What it costs, on a classic work queue:
+    /// - The broker counts no deliveries there (`x-delivery-count` is a quorum queue's): a
+    ///   redelivered message is taken as returned once, and moves to the (quorum) suspect
+    ///   queue, where it runs alone and is counted. A message that kills its consumer every
+    ///   time is thus dead-lettered after one run among others plus
+    ///   [`Runner::with_max_deliveries`](crate::Runner::with_max_deliveries) runs alone, as
+    ///   on a quorum queue — but every redelivery, a restart's included (up to a prefetch's
+    ///   worth per consumer), runs alone through the suspect queue, one at a time.
+    /// - The work queue has no safety net of oncely's: whatever its own dead-letter settings
+    ///   say holds (a quorum queue on RabbitMQ 4.x without a dead-letter target drops a
+    ///   message past 20 deliveries — the runner moves a returned message to the suspect
+    ///   queue at its first return, so only another consumer of the queue could get there).
+    /// - A classic queue is not replicated: a node lost is its messages lost, whatever
+    ///   oncely does.
+    pub fn with_existing_work_queue(mut self) -> Self {
+        self.work_queue_as_is = true;
         self
     }
 
@@ -263,18 +291,30 @@ impl Topology {
         Ok(ready)
     }
 
-    /// Declares every queue of the topology.
+    /// Declares every queue of the topology ([`with_existing_work_queue`](Self::with_existing_work_queue):
+    /// checks the work queue exists). A queue of the same name declared with other
+    /// arguments is [`Error::QueueMismatch`], naming the queue and the argument.
     pub async fn declare(&self, channel: &Channel) -> Result<(), Error> {
         let durable = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
         };
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
         for queue in [self.queue(), self.suspect_queue()] {
-            let arguments = match self.safety_net_declared {
-                true => dead_lettering_to(self.dead_letter_queue()),
-                false => quorum(),
+            let declared = match (
+                queue == self.queue() && self.work_queue_as_is,
+                self.safety_net_declared,
+            ) {
+                (true, _) => channel.queue_declare(queue.into(), passive, FieldTable::default()),
+                (false, true) => {
+                    channel.queue_declare(queue.into(), durable, dead_lettering_to(self.dead_letter_queue()))
+                }
+                (false, false) => channel.queue_declare(queue.into(), durable, quorum()),
             };
-            channel.queue_declare(queue.into(), durable, arguments).await?;
+            declared.await.map_err(|error| Error::declaring(queue, error))?;
         }
         let mut kept = quorum();
         if self.safety_net_declared {
@@ -283,16 +323,21 @@ impl Topology {
                 AMQPValue::LongLongInt(DEAD_LETTER_DELIVERY_LIMIT),
             );
         }
+        let dead_letters = self.dead_letter_queue();
         channel
-            .queue_declare(self.dead_letter_queue().into(), durable, kept)
-            .await?;
+            .queue_declare(dead_letters.into(), durable, kept)
+            .await
+            .map_err(|error| Error::declaring(dead_letters, error))?;
         for (delay, queue) in self.retry_delays.iter().zip(self.retry_queues()) {
             let mut arguments = dead_lettering_to(self.queue());
             arguments.insert(
                 "x-message-ttl".into(),
                 AMQPValue::LongLongInt(delay.as_millis() as i64),
             );
-            channel.queue_declare(queue.into(), durable, arguments).await?;
+            channel
+                .queue_declare(queue.into(), durable, arguments)
+                .await
+                .map_err(|error| Error::declaring(queue, error))?;
         }
         Ok(())
     }

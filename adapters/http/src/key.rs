@@ -184,3 +184,74 @@ mod tests {
         assert_eq!(Shown(":order-42").to_string(), ":order-42");
     }
 }
+
+/// Properties over inputs no one wrote by hand: `PROPTEST_CASES` sets how many (256 unless
+/// set; `make fuzz` runs many more).
+#[cfg(test)]
+mod properties {
+    use http::HeaderValue;
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::layer::MAX_SCOPED_KEY_LEN;
+
+    /// `key` as a structured-field string: quoted, `"` and `\` escaped.
+    fn quoted(key: &str) -> String {
+        let mut quoted = String::from("\"");
+        for character in key.chars() {
+            if matches!(character, '"' | '\\') {
+                quoted.push('\\');
+            }
+            quoted.push(character);
+        }
+        quoted.push('"');
+        quoted
+    }
+
+    fn read_value(value: &HeaderValue) -> Result<Option<String>, Problem> {
+        let mut headers = HeaderMap::new();
+        headers.insert(IDEMPOTENCY_KEY, value.clone());
+        read_key(&headers, &IDEMPOTENCY_KEY, DEFAULT_MAX_KEY_LEN)
+    }
+
+    proptest! {
+        /// Any header value is a key a store can keep, or refused: printable ASCII, not
+        /// empty, within the limit, and within the scoped key's limit once scoped.
+        #[test]
+        fn prop_any_idempotency_key_header_is_a_storable_key_or_refused(bytes in vec(any::<u8>(), 0..400)) {
+            let Ok(value) = HeaderValue::from_bytes(&bytes) else { return Ok(()) };
+            match read_value(&value) {
+                Ok(Some(key)) => {
+                    prop_assert!(!key.is_empty());
+                    prop_assert!(key.len() <= DEFAULT_MAX_KEY_LEN);
+                    prop_assert!(key.bytes().all(|byte| (0x20..=0x7e).contains(&byte)), "{key:?}");
+                    let stored = scoped(&"f".repeat(32), &key);
+                    prop_assert!(stored.len() <= MAX_SCOPED_KEY_LEN);
+                }
+                Ok(None) => prop_assert!(false, "a header read as no key"),
+                Err(problem) => {
+                    let malformed = matches!(problem, Problem::KeyMalformed { .. });
+                    prop_assert!(malformed, "{problem:?}");
+                }
+            }
+        }
+
+        /// Every printable key written as a structured-field string reads back as itself, so
+        /// two different keys never read as one.
+        #[test]
+        fn prop_a_quoted_key_reads_back_as_itself(key in "[ -~]{1,255}") {
+            let value = HeaderValue::from_str(&quoted(&key)).expect("printable ASCII");
+            prop_assert_eq!(read_value(&value), Ok(Some(key)));
+        }
+
+        /// Two (client, key) pairs never make one stored key.
+        #[test]
+        fn prop_two_clients_or_two_keys_never_share_a_stored_key(
+            a in ("[0-9a-f]{32}|", "[ -~]{1,64}"),
+            b in ("[0-9a-f]{32}|", "[ -~]{1,64}"),
+        ) {
+            prop_assert_eq!(a == b, scoped(&a.0, &a.1) == scoped(&b.0, &b.1));
+        }
+    }
+}

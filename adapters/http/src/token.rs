@@ -197,3 +197,40 @@ mod tests {
         assert_eq!(fresh_token().len(), 64);
     }
 }
+
+/// Properties over inputs no one wrote by hand (`PROPTEST_CASES`, 256 unless set).
+#[cfg(test)]
+mod properties {
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Any submitted form body is a token or its absence, never a panic; a token put in a
+        /// form as browsers encode it reads back as itself.
+        #[test]
+        fn prop_a_form_body_gives_its_token_or_none(
+            body in vec(any::<u8>(), 0..300),
+            token in "\\PC{1,80}",
+        ) {
+            let mut headers = HeaderMap::new();
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/x-www-form-urlencoded"));
+            let field = TokenField::Form("_token".to_owned());
+            let _ = field.read(&headers, &Bytes::from(body));
+            let encoded: String = form_urlencoded::Serializer::new(String::new())
+                .append_pair("amount", "5")
+                .append_pair("_token", &token)
+                .finish();
+            prop_assert_eq!(field.read(&headers, &Bytes::from(encoded)), Ok(token));
+        }
+
+        /// A fresh token is 64 lowercase hex digits, every time.
+        #[test]
+        fn prop_fresh_tokens_are_64_hex_digits(_round in 0..4u8) {
+            let token = fresh_token();
+            prop_assert_eq!(token.len(), 64);
+            prop_assert!(token.bytes().all(|byte| byte.is_ascii_hexdigit() && !byte.is_ascii_uppercase()));
+        }
+    }
+}

@@ -133,3 +133,52 @@ mod tests {
         assert!(!delivery.redelivered());
     }
 }
+
+/// Properties over inputs no one wrote by hand: `PROPTEST_CASES` sets how many (256 unless
+/// set; `make fuzz` runs many more).
+#[cfg(test)]
+mod properties {
+    use proptest::collection::{btree_map, vec};
+    use proptest::prelude::*;
+    use rocketmq_model::common::message::MessageTrait;
+    use rocketmq_model::common::message::message_single::Message;
+
+    use super::*;
+
+    /// Property names, RocketMQ's system ones and oncely's dead-letter metadata among them.
+    fn name() -> impl Strategy<Value = String> {
+        let known: Vec<String> = oncely::dead_letter::SCHEMA
+            .iter()
+            .map(|name| name.to_string())
+            .chain(STRING_HASH_SET.iter().map(|name| name.to_string()))
+            .collect();
+        prop_oneof!["[a-zA-Z0-9_.-]{1,16}", proptest::sample::select(known)]
+    }
+
+    proptest! {
+        /// Any properties convert, never panicking: user properties kept as they are,
+        /// system ones and oncely's dead-letter metadata left out of the headers.
+        #[test]
+        fn prop_any_properties_convert(
+            properties in btree_map(name(), "[^\\x01\\x02]{0,24}", 0..10),
+            body in vec(any::<u8>(), 0..64),
+            reconsumed in 0..40i32,
+        ) {
+            let mut ext = MessageExt::default();
+            ext.set_message_inner(Message::builder().topic("orders").body_slice(&body).build_unchecked());
+            for (name, value) in &properties {
+                ext.put_property(name.as_str().into(), value.as_str().into());
+            }
+            ext.set_reconsume_times(reconsumed);
+            let delivery = to_delivery(&ext);
+            for (name, value) in &properties {
+                let kept = delivery.headers().get(name).map(|kept| kept.as_ref());
+                match STRING_HASH_SET.contains(name.as_str()) || oncely::dead_letter::is_schema(name) {
+                    true => prop_assert!(kept.is_none(), "{} kept", name),
+                    false => prop_assert_eq!(kept, Some(value.as_bytes())),
+                }
+            }
+            prop_assert_eq!(delivery.attempt(), reconsumed as u32 + 1);
+        }
+    }
+}

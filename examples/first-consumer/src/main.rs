@@ -40,9 +40,10 @@ fn setting(name: &str, default: &str) -> String {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // oncely logs through `tracing`: dead letters and panics at warn and error.
+    // oncely logs through `tracing`: dead letters and panics at warn and error, on stderr.
     tracing_subscriber::fmt()
         .with_max_level(tracing::Level::INFO)
+        .with_writer(std::io::stderr)
         .init();
 
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");

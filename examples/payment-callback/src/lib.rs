@@ -22,6 +22,7 @@ use oncely_http::{ClientScope, IdempotencyLayer, PgResponses};
 use tower::ServiceBuilder;
 
 mod orders;
+pub mod orders_mariadb;
 
 use orders::orders;
 
