@@ -153,13 +153,14 @@ pub enum RetryReason {
     /// back with its connection; the delivery is retried and, at the route's maximum
     /// attempts, dead-lettered as `attempts_exhausted` with the panic's message.
     HandlerPanicked,
-    /// The delivery's sender went away before its handler ran (an HTTP client hung up
-    /// while its request waited): nothing ran, and the tiers release the key as for any
-    /// retry. The batched record takes such a delivery out of its batch and commits the
-    /// rest — when it is answered at once, before the run awaited anything: answered later,
-    /// the run may have written, and it fails its batch as any failure does. Answer it only
-    /// for a run that wrote nothing (oncely-http does, before the user's service runs).
-    Abandoned,
+    /// The delivery was given up before its handler ran, and nothing ran: its sender went
+    /// away while it waited (an HTTP client hung up), or it can no longer run (an expired
+    /// one-time token). The tiers release the key as for any retry. The batched record takes
+    /// such a delivery out of its batch and commits the rest — when it is answered at once,
+    /// before the run awaited anything: answered later, the run may have written, and it
+    /// fails its batch as any failure does. Answer it only for a run that wrote nothing
+    /// (oncely-http does, before the user's service runs).
+    NotRun,
 }
 
 impl RetryReason {
@@ -173,7 +174,7 @@ impl RetryReason {
             RetryReason::StoreUnavailable(_) => "store_unavailable",
             RetryReason::HandlerFailed => "handler_failed",
             RetryReason::HandlerPanicked => "handler_panicked",
-            RetryReason::Abandoned => "abandoned",
+            RetryReason::NotRun => "not_run",
         }
     }
 
@@ -188,7 +189,7 @@ impl RetryReason {
             | RetryReason::StoreUnavailable(_)
             | RetryReason::HandlerFailed
             | RetryReason::HandlerPanicked
-            | RetryReason::Abandoned => false,
+            | RetryReason::NotRun => false,
         }
     }
 }

@@ -78,7 +78,7 @@ fn retry_label(reason: RetryReason) -> String {
         | RetryReason::LeaseLost
         | RetryReason::HandlerFailed
         | RetryReason::HandlerPanicked
-        | RetryReason::Abandoned => reason.code().to_owned(),
+        | RetryReason::NotRun => reason.code().to_owned(),
     }
 }
 

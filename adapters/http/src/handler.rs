@@ -207,15 +207,17 @@ where
         // that hangs up after it no longer stops the run.
         if !exchange.start() {
             return Outcome::retry_later(
-                RetryReason::Abandoned,
+                RetryReason::NotRun,
                 "the client hung up before the handler started",
                 None,
             );
         }
+        // Refused where it would run (an expired token): nothing runs, and a batch it shares
+        // commits without it.
         if let Some(refusal) = &exchange.refusal {
             exchange.answer(Reply::Problem(refusal.clone()));
             let detail = format!("refused before it ran: {}", refusal.detail());
-            return Outcome::retry_later(RetryReason::HandlerFailed, detail, None);
+            return Outcome::retry_later(RetryReason::NotRun, detail, None);
         }
         if let Err(failure) = self.responses.ready(&envelope).await {
             let failed = self.settings.save_failed(&envelope, failure);

@@ -14,7 +14,8 @@ use std::time::SystemTime;
 
 use lapin::message::BasicGetMessage;
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
@@ -134,9 +135,15 @@ impl DeadLetters for DeadLetterQueue {
     }
 
     fn whole<'m>(&self, message: &'m Self::Message) -> Whole<'m> {
+        let mut headers = headers(message);
+        // The broker's count of this letter's deliveries — every read of it included — not
+        // the original's attempts (`x-oncely-attempts` is that).
+        if let Some(count) = headers.remove(DELIVERY_COUNT_HEADER) {
+            headers.insert(format!("{DELIVERY_COUNT_HEADER} (times read)"), count);
+        }
         Whole {
             properties: properties(message),
-            headers: headers(message),
+            headers,
             body: &message.delivery.data,
         }
     }
@@ -172,11 +179,21 @@ impl DeadLetters for DeadLetterQueue {
             .map(|_| 0)
     }
 
-    /// Closes the reading channel, which gives the broker back every message not
-    /// acknowledged, in place.
+    /// Gives the broker back every message not acknowledged, in place, with one
+    /// `basic.nack` (requeue) — not by closing the channel: RabbitMQ 4.3 counts no nack in a
+    /// quorum queue's `x-delivery-count`, while it counts a lost consumer's return (3.10
+    /// and 4.0 count both) — then closes the channel.
     async fn finish(self) -> Result<(), CliError> {
         let given_back = match &self.reading {
-            Some(channel) => self.remote.call(channel.close(200, "done".into())).await,
+            Some(channel) => {
+                let every_unacked = BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                };
+                let nacked = self.remote.call(channel.basic_nack(0, every_unacked)).await;
+                let closed = self.remote.call(channel.close(200, "done".into())).await;
+                nacked.and(closed)
+            }
             None => Ok(()),
         };
         let _ = self.connection.close(200, "done".into()).await;

@@ -68,10 +68,11 @@ pub(super) enum Part {
     /// Its handler failed where the failure may be another's doing (after another handler,
     /// or a set handler failing as a whole): it runs alone, where only its own doing counts.
     Suspect,
-    /// Its delivery went away before its handler ran (its future was dropped, an HTTP
-    /// client hung up while it waited): its claim is withdrawn in the batch's transaction,
-    /// and the rest of the batch commits without it.
-    Gone,
+    /// Its delivery was given up before its handler ran (its future was dropped, an HTTP
+    /// client hung up while it waited, a token expired): its claim is withdrawn in the
+    /// batch's transaction, and the rest of the batch commits without it. With the answer
+    /// its run gave (`NotRun`), told once the batch ended, if anyone still waits.
+    Gone(Option<Outcome>),
 }
 
 /// How one claimed delivery's handler ended in a batch.
@@ -98,7 +99,7 @@ impl Ended {
 
     /// Whether this delivery went away before its handler ran.
     fn gone(&self) -> bool {
-        matches!(self.part, Part::Gone)
+        matches!(self.part, Part::Gone(_))
     }
 }
 
@@ -459,9 +460,15 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
     }
 
     /// Ends the transaction and tells every delivery of the batch its last word.
-    async fn settle(&self, transaction: R::Open, mut ended: Vec<Ended>, ending: Ending) {
-        // Deliveries gone are told nothing: nobody waits for their word.
-        ended.retain(|ended| !ended.gone());
+    async fn settle(&self, transaction: R::Open, ended: Vec<Ended>, ending: Ending) {
+        // Deliveries gone are told their own answer, if anyone still waits for it, whatever
+        // the batch did: nothing of theirs was in it.
+        let (gone, mut ended): (Vec<Ended>, Vec<Ended>) = ended.into_iter().partition(Ended::gone);
+        for gone in gone {
+            if let Part::Gone(Some(outcome)) = gone.part {
+                let _ = gone.reply.send(Word::Ran(outcome));
+            }
+        }
         let committed = match ending {
             Ending::Commit if ended.is_empty() => {
                 self.record.roll_back(transaction).await;
@@ -510,7 +517,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 Part::Suspect => {
                     let _ = ended.reply.send(Word::Alone);
                 }
-                Part::Gone => {}
+                Part::Gone(_) => {}
             }
         }
         for (request, reply, outcome) in failures {

@@ -120,7 +120,7 @@ impl<T: Clone + Send + Sync + 'static, H: BatchHandler<T>> Writer<T> for SetWrit
         let mut written = self.write_present(transaction, group, first).await;
         written
             .ended
-            .extend(gone.into_iter().map(|joiner| Ended::of(joiner, Part::Gone)));
+            .extend(gone.into_iter().map(|joiner| Ended::of(joiner, Part::Gone(None))));
         written
     }
 }

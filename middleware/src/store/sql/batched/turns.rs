@@ -61,23 +61,27 @@ impl<H: Clone + Send + Sync + 'static> Writer<H> for Turns {
                 written.ended.push(Ended {
                     request,
                     reply,
-                    part: Part::Gone,
+                    part: Part::Gone(None),
                 });
                 continue;
             }
             let mut run = std::pin::pin!(AssertUnwindSafe(work(transaction.clone())).catch_unwind());
-            // A delivery whose sender went away just now, before its handler started, answers
-            // `Abandoned` on the run's first poll, having run nothing, and is taken out of the
-            // batch like one gone before its turn. Only then: a run that awaited anything may
-            // have written, and its `Abandoned` is a failure like any other.
+            // A delivery given up before its handler started (its sender went away just now,
+            // an expired token) answers `NotRun` on the run's first poll, having run nothing,
+            // and is taken out of the batch like one gone before its turn — told its answer
+            // once the batch ended, if anyone still waits for it. Only then: a run that
+            // awaited anything may have written, and its `NotRun` is a failure like any other.
             let at_once = std::future::poll_fn(|cx| Poll::Ready(run.as_mut().poll(cx))).await;
             if let Poll::Ready(Ok(Outcome::RetryLater(retry))) = &at_once
-                && retry.reason == RetryReason::Abandoned
+                && retry.reason == RetryReason::NotRun
             {
+                let Poll::Ready(Ok(not_run)) = at_once else {
+                    unreachable!("matched above")
+                };
                 written.ended.push(Ended {
                     request,
                     reply,
-                    part: Part::Gone,
+                    part: Part::Gone(Some(not_run)),
                 });
                 continue;
             }
