@@ -79,14 +79,11 @@ async fn a_body_that_never_ends_is_cut_off_by_the_timeout() {
 /// handler runs, so no retry runs it again and again.
 #[tokio::test]
 async fn a_stack_without_the_transactional_record_runs_no_handler() {
-    use axum::routing::post;
     use oncely::flag::{FlagLayer, RedisFlagStore};
     use oncely::record::{PgRecordStore, RecordLayer};
     use oncely_http::{ClientScope, IdempotencyLayer};
 
     let shop = Shop::new(4).await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
     let redis = integration_tests::redis_connection(&redis_url()).await;
     let flag = FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix(shop.prefix.clone()),
@@ -95,23 +92,9 @@ async fn a_stack_without_the_transactional_record_runs_no_handler() {
     let three_step = RecordLayer::new(PgRecordStore::new(shop.pool.clone(), shop.schema.records()));
     let tiers = tower::ServiceBuilder::new().layer(flag).layer(three_step);
     let layer = IdempotencyLayer::new(tiers, shop.responses(), ClientScope::header(TENANT));
-    let handler = move || async move {
-        counted.fetch_add(1, Ordering::SeqCst);
-        (axum::http::StatusCode::CREATED, "created")
-    };
-    let app = axum::Router::new().route("/orders", post(handler)).layer(layer);
-    let server = TestServer::start(app).await;
-    for attempt in 1..=3 {
-        let answer = send(order(&server, "misconfigured")).await;
-        assert_eq!(answer.status, 500, "attempt {attempt}: {answer:?}");
-        assert!(
-            answer.body.contains("Misconfigured"),
-            "attempt {attempt}: {answer:?}"
-        );
-    }
+    let runs = three_refused(layer, |_| "misconfigured".to_owned()).await;
     assert_eq!(
-        runs.load(Ordering::SeqCst),
-        0,
+        runs, 0,
         "the handler ran behind a stack that cannot keep its response"
     );
 }
@@ -120,14 +103,11 @@ async fn a_stack_without_the_transactional_record_runs_no_handler() {
 /// error level, and no handler runs while it lasts.
 #[tokio::test]
 async fn a_responses_table_never_migrated_is_said_once_and_runs_nothing() {
-    use axum::routing::post;
     use oncely::record::PgTransactionalLayer;
     use oncely_http::{ClientScope, IdempotencyLayer, PgResponses};
 
     let logs = integration_tests::logs::CapturedLogs::start();
     let shop = Shop::new(4).await;
-    let runs = Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
     let unmigrated = oncely::postgres::Table::new(shop.schema.name(), "orders_record").expect("a name");
     oncely::postgres::migrate(&shop.pool, &unmigrated)
         .await
@@ -135,22 +115,44 @@ async fn a_responses_table_never_migrated_is_said_once_and_runs_nothing() {
     let record = PgTransactionalLayer::new(shop.pool.clone(), unmigrated.clone());
     let responses = PgResponses::new(shop.pool.clone(), &unmigrated).expect("a name");
     let layer = IdempotencyLayer::new(record, responses, ClientScope::header(TENANT));
+    let runs = three_refused(layer, |attempt| format!("unmigrated-{attempt}")).await;
+    assert_eq!(runs, 0);
+    let said = logs.lines("ERROR", "orders_record_responses");
+    assert_eq!(said.len(), 1, "{}", logs.text());
+    assert!(said[0].contains("PgResponses::migrate()"), "{said:?}");
+}
+
+/// `layer` around a handler that only counts its runs and answers 201, served; asserts
+/// that three requests (keys from `key`) are each refused as misconfigured, and answers the
+/// handler's runs.
+async fn three_refused<L>(layer: L, key: impl Fn(u32) -> String) -> usize
+where
+    L: tower::Layer<axum::routing::Route> + Clone + Send + Sync + 'static,
+    L::Service: tower::Service<axum::extract::Request, Error = std::convert::Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    <L::Service as tower::Service<axum::extract::Request>>::Response: axum::response::IntoResponse + 'static,
+    <L::Service as tower::Service<axum::extract::Request>>::Future: Send + 'static,
+{
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
     let handler = move || async move {
         counted.fetch_add(1, Ordering::SeqCst);
         (axum::http::StatusCode::CREATED, "created")
     };
-    let app = axum::Router::new().route("/orders", post(handler)).layer(layer);
+    let app = axum::Router::new()
+        .route("/orders", axum::routing::post(handler))
+        .layer(layer);
     let server = TestServer::start(app).await;
     for attempt in 1..=3 {
-        let answer = send(order(&server, &format!("unmigrated-{attempt}"))).await;
+        let answer = send(order(&server, &key(attempt))).await;
         assert_eq!(answer.status, 500, "attempt {attempt}: {answer:?}");
         assert!(
             answer.body.contains("Misconfigured"),
             "attempt {attempt}: {answer:?}"
         );
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 0);
-    let said = logs.lines("ERROR", "orders_record_responses");
-    assert_eq!(said.len(), 1, "{}", logs.text());
-    assert!(said[0].contains("PgResponses::migrate()"), "{said:?}");
+    runs.load(Ordering::SeqCst)
 }

@@ -32,6 +32,18 @@ pub enum TokenCheck {
     Unknown,
 }
 
+impl TokenCheck {
+    /// What a book answers for a token it found: issued to the client presenting it
+    /// (`own`), not yet expired (`live`). Another client's token is unknown to this one.
+    pub(crate) fn of(own: bool, live: bool) -> Self {
+        match (own, live) {
+            (false, _) => TokenCheck::Unknown,
+            (true, false) => TokenCheck::Expired,
+            (true, true) => TokenCheck::Valid,
+        }
+    }
+}
+
 /// Where one-time tokens are issued and checked.
 ///
 /// Keep a token's time to live no longer than the route's response expiry

@@ -379,11 +379,7 @@ impl TokenBook for MysqlTokens {
                 return Ok(TokenCheck::Unknown);
             };
             let (own, live): (bool, bool) = (row.try_get(0)?, row.try_get(1)?);
-            Ok(match (own, live) {
-                (false, _) => TokenCheck::Unknown,
-                (true, false) => TokenCheck::Expired,
-                (true, true) => TokenCheck::Valid,
-            })
+            Ok(TokenCheck::of(own, live))
         })
     }
 }

@@ -365,11 +365,7 @@ impl TokenBook for PgTokens {
                 row.try_get(0).map_err(StoreError::new)?,
                 row.try_get(1).map_err(StoreError::new)?,
             );
-            Ok(match (own, live) {
-                (false, _) => TokenCheck::Unknown,
-                (true, false) => TokenCheck::Expired,
-                (true, true) => TokenCheck::Valid,
-            })
+            Ok(TokenCheck::of(own, live))
         })
     }
 }
