@@ -25,18 +25,21 @@ CHAOS_SHORT_ROCKETMQ = --broker rocketmq --messages 2000 --keys 400 --rate 50 --
 	--handler-faults 2 --poison 2 --time-limit-s 300
 
 ## Format check, clippy and rustdoc with warnings denied, every test, the quickstart's own checks, the
-## README's first consumer (as the README runs it), `amqp-orders` with the record on MariaDB (it exits
-## non-zero if an order was applied twice), the payment-callback driver (non-zero if an order was
+## README's first consumer (as the README runs it: its report alone on stdout, its logs on
+## stderr), `amqp-orders` with the record on MariaDB (it exits non-zero if an order was applied
+## twice), the payment-callback driver (non-zero if an order was
 ## credited twice or never) and the short chaos runs (RabbitMQ with the record per delivery at
 ## prefetch 16 and batched at the runner's default prefetch, as users run it; the same two on
 ## MariaDB, both at 16; then RocketMQ).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
 test: fmt lint doc services
-	log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
+	log=$$(mktemp); trap 'rm -f "$$log" "$$log.report"' EXIT; \
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
 	$(CARGO) run -q -p first-consumer --bin send-red-packets; \
-	$(CARGO) run -q -p first-consumer | tee /dev/stderr | tr -s ' ' | \
+	$(CARGO) run -q -p first-consumer 2>/dev/null > "$$log.report"; cat "$$log.report"; \
+	  if grep -q -e 'WARN' -e 'INFO' "$$log.report"; then echo "first-consumer logs on stdout"; exit 1; fi; \
+	  tr -s ' ' < "$$log.report" | \
 	  grep -c -e '^drained' -e '^ processed 100$$' -e '^ duplicates 30 ' -e '^ dead letters 1 (bad_body 1)$$' | grep -qx 4; \
 	$(CARGO) run -q -p amqp-orders --bin publisher -- 200; \
 	RECORD_STORE=mysql $(CARGO) run -q -p amqp-orders --bin consumer -- --drain; \
@@ -79,7 +82,7 @@ FUZZ_CASES ?= 100000
 fuzz:
 	PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test --release -p oncely -p oncely-http -p oncely-amqp \
 	  -p oncely-rocketmq --all-features --lib -- prop_ --test-threads 2 2>&1 | \
-	  sed -n 's/^test \(.*prop_[a-z_]*\) \.\.\. ok$$/$(FUZZ_CASES) inputs: \1 ok/p; /FAILED\|panicked\|minimal failing/p'
+	  sed -n 's/^test \(.*prop_[a-z0-9_]*\) \.\.\. ok$$/$(FUZZ_CASES) inputs: \1 ok/p; /FAILED\|panicked\|minimal failing/p'
 
 ## Every benchmark, each tier against the raw limit of its own store, in one run.
 bench: services
