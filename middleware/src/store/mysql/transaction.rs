@@ -21,7 +21,7 @@ use sqlx::{Describe, Either, Execute, Executor, MySql, MySqlPool, Row};
 
 use super::claims::{Statements, claim, claim_new_keys};
 use super::commit_rows::{DeferredRows, MysqlCommitRows};
-use super::killer::Killer;
+use super::killer::{Killer, SERVER, Session};
 use super::lost_to_another_transaction;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
@@ -37,9 +37,9 @@ pub(crate) struct OpenTransaction {
     connection: tokio::sync::Mutex<Option<PoolConnection<MySql>>>,
     /// The XA transaction's id: `oncely-` and 32 random hex digits, quoted into SQL.
     xid: String,
-    /// The server's id of the connection (`CONNECTION_ID()`), to kill what it runs when the
-    /// transaction is abandoned.
-    connection_id: u64,
+    /// The connection's server session, to kill what it runs when the transaction is
+    /// abandoned.
+    session: Session,
     /// Who kills the session when the transaction is abandoned: the layer's.
     killer: Arc<Killer>,
     /// The first statement of the handler's that failed, or was cut off.
@@ -69,16 +69,21 @@ impl OpenTransaction {
         // `Executor::fetch_all`, not `RawSql::fetch_all`: the latter's future is not `Send` for
         // every lifetime, which the tier's trait methods need. Text protocol: XA statements
         // cannot be prepared.
-        let start = format!("XA START '{xid}'; SELECT CAST(CONNECTION_ID() AS UNSIGNED)");
+        let start = format!("XA START '{xid}'; SELECT CAST(CONNECTION_ID() AS UNSIGNED), {SERVER}");
+        let alive_at = std::time::Instant::now();
         let rows = connection.get().fetch_all(sqlx::raw_sql(&start)).await?;
-        let connection_id = match rows.as_slice() {
-            [row] => row.try_get::<u64, _>(0)?,
+        let session = match rows.as_slice() {
+            [row] => Session {
+                id: row.try_get(0)?,
+                server: row.try_get(1)?,
+                alive_at,
+            },
             _ => return Err(StoreError::malformed("XA START answered no connection id")),
         };
         Ok(OpenTransaction {
             connection: tokio::sync::Mutex::new(connection.keep()),
             xid,
-            connection_id,
+            session,
             killer: killer.clone(),
             failure: std::sync::Mutex::new(None),
             cut_off: AtomicBool::new(false),
@@ -177,7 +182,7 @@ impl OpenTransaction {
         self.cut_off.store(true, Ordering::Release);
         // Killed first: a statement running through a handle holds the connection, which the
         // rollback would wait for. Ending the cut-off transaction then lets its slot go.
-        self.killer.kill(self.connection_id, None);
+        self.killer.kill(&self.session, None);
         self.roll_back().await;
     }
 
@@ -211,7 +216,7 @@ impl OpenTransaction {
     /// timeout, or for hours.
     async fn end(&self, mut connection: PoolConnection<MySql>, ending: Ending) -> Result<(), sqlx::Error> {
         if self.cut_off.load(Ordering::Acquire) {
-            self.killer.kill(self.connection_id, Some(connection));
+            self.killer.kill(&self.session, Some(connection));
             return Err(sqlx::Error::Protocol(
                 "a statement of the handler was cut off".into(),
             ));
@@ -226,7 +231,7 @@ impl OpenTransaction {
             tracing::warn!(%error, ?ending, "could not end the record transaction; closing the connection");
             connection.close_on_drop();
             if !matches!(error, sqlx::Error::Database(_)) {
-                self.killer.kill(self.connection_id, Some(connection));
+                self.killer.kill(&self.session, Some(connection));
             }
         }
         ended.map(drop)
@@ -259,7 +264,7 @@ impl OpenTransaction {
 impl Drop for OpenTransaction {
     fn drop(&mut self) {
         if let Some(connection) = self.connection.get_mut().take() {
-            self.killer.kill(self.connection_id, Some(connection));
+            self.killer.kill(&self.session, Some(connection));
         }
     }
 }
