@@ -104,20 +104,27 @@ impl DeadLetterTopic {
     }
 }
 
-/// The properties a copy of `message` keeps: `KEYS`, `TAGS` and the user properties but
-/// oncely's dead-letter metadata ([`oncely::dead_letter::SCHEMA`]: what the copy carries of
-/// it is oncely's to write). RocketMQ's other system properties (the unique id, the retry
-/// topic, store and transaction flags) describe the stored message, not a copy of it; a copy
-/// gets its own.
-pub fn kept_properties(message: &MessageExt) -> HashMap<CheetahString, CheetahString> {
+/// The properties a copy of `message` as it is keeps: `KEYS`, `TAGS` and the user
+/// properties, oncely's dead-letter metadata among them. RocketMQ's other system properties
+/// (the unique id, the retry topic, store and transaction flags) describe the stored message,
+/// not a copy of it; a copy gets its own.
+pub fn user_properties(message: &MessageExt) -> HashMap<CheetahString, CheetahString> {
     let kept = [MessageConst::PROPERTY_KEYS, MessageConst::PROPERTY_TAGS];
     message
         .properties()
         .iter()
-        .filter(|(name, _)| !oncely::dead_letter::is_schema(name.as_str()))
         .filter(|(name, _)| kept.contains(&name.as_str()) || !STRING_HASH_SET.contains(name.as_str()))
         .map(|(name, value)| (name.clone(), value.clone()))
         .collect()
+}
+
+/// The properties a copy of `message` sent on keeps (a replay, a dead letter): its
+/// [`user_properties`] but oncely's dead-letter metadata
+/// ([`oncely::dead_letter::SCHEMA`]: what such a copy carries of it is oncely's to write).
+pub fn kept_properties(message: &MessageExt) -> HashMap<CheetahString, CheetahString> {
+    let mut properties = user_properties(message);
+    properties.retain(|name, _| !oncely::dead_letter::is_schema(name.as_str()));
+    properties
 }
 
 /// Sends `message` through `producer` and waits up to `timeout` for the broker to store it:

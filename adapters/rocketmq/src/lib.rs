@@ -50,7 +50,7 @@ mod listener;
 mod runtime;
 
 pub use convert::to_delivery;
-pub use dead_letter::{DeadLetterTopic, kept_properties, send_stored};
+pub use dead_letter::{DeadLetterTopic, kept_properties, send_stored, user_properties};
 pub use drain::{GroupLag, Progress, UNKNOWN_LAG_WARN_EVERY};
 pub use error::Error;
 pub use listener::{ConcurrentListener, OrderlyListener};

@@ -30,11 +30,11 @@ use oncely::dead_letter;
 use oncely_rocketmq::rocketmq_client_rust::{
     ClientConfig, ClientOptions, DefaultLitePullConsumer, DefaultMQProducer, OffsetStore,
 };
+use oncely_rocketmq::rocketmq_model::common::message::MessageConst;
 use oncely_rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use oncely_rocketmq::rocketmq_model::common::message::message_queue::MessageQueue;
 use oncely_rocketmq::rocketmq_model::common::message::message_single::Message;
-use oncely_rocketmq::rocketmq_model::common::message::{MessageConst, STRING_HASH_SET};
-use oncely_rocketmq::{OwnedClientRuntime, kept_properties, send_stored};
+use oncely_rocketmq::{OwnedClientRuntime, kept_properties, send_stored, user_properties};
 
 use super::{DeadLetterInfo, DeadLetters, Filter, SCHEMA_NAMES, Whole};
 use crate::Globals;
@@ -263,13 +263,14 @@ impl DeadLetterTopic {
         Ok(())
     }
 
-    /// Writes a copy of `message`, as it is, at the end of the topic.
+    /// Writes a copy of `message`, as it is (its dead-letter metadata included), at the end
+    /// of the topic.
     async fn write_again(&mut self, message: &MessageExt) -> Result<(), CliError> {
         let mut copy = Message::builder()
             .topic(self.topic.as_str())
             .body(message.body().unwrap_or_default())
             .build_unchecked();
-        copy.set_properties(kept_properties(message));
+        copy.set_properties(user_properties(message));
         self.send(copy).await
     }
 
@@ -336,7 +337,7 @@ impl DeadLetters for DeadLetterTopic {
         }
         Whole {
             properties,
-            headers: user_properties(message),
+            headers: properties_as_text(message),
             body: message.message_inner().body_slice(),
         }
     }
@@ -436,12 +437,9 @@ async fn reachable(remote: &Remote, namesrv: &str) -> Result<(), CliError> {
 }
 
 /// The user properties of `message`, with `KEYS` and `TAGS`, as text.
-fn user_properties(message: &MessageExt) -> BTreeMap<String, String> {
-    let kept = [MessageConst::PROPERTY_KEYS, MessageConst::PROPERTY_TAGS];
-    message
-        .properties()
-        .iter()
-        .filter(|(name, _)| kept.contains(&name.as_str()) || !STRING_HASH_SET.contains(name.as_str()))
+fn properties_as_text(message: &MessageExt) -> BTreeMap<String, String> {
+    user_properties(message)
+        .into_iter()
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect()
 }
@@ -452,7 +450,7 @@ fn user_properties(message: &MessageExt) -> BTreeMap<String, String> {
 /// dead-letter metadata on it is not oncely's.
 fn describe(position: usize, message: &MessageExt) -> DeadLetterInfo {
     let body_bytes = message.message_inner().body_slice().len();
-    let info = DeadLetterInfo::new(position, None, &user_properties(message), body_bytes);
+    let info = DeadLetterInfo::new(position, None, &properties_as_text(message), body_bytes);
     let topic = message.topic().as_str();
     match topic.starts_with("%DLQ%") || topic.starts_with("%RETRY%") {
         true => info.not_oncely(),
