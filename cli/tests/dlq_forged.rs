@@ -1,6 +1,8 @@
 //! Dead-letter headers a producer forges: the runner drops a producer's on the way in (its
 //! handler never sees them, its dead letter carries oncely's own), and `oncely dlq` never
-//! takes a letter RabbitMQ dead-lettered itself for oncely's, whatever headers it carries.
+//! takes a letter RabbitMQ dead-lettered itself for oncely's, whatever headers it carries —
+//! while a letter oncely wrote before it dropped the broker's marks (it carries the deaths
+//! of its retries) stays oncely's.
 
 mod common;
 
@@ -14,19 +16,70 @@ use integration_tests::amqp::{
 use integration_tests::wait_until;
 use lapin::BasicProperties;
 use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicRejectOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::{AMQPValue, FieldArray, FieldTable};
 use oncely::dead_letter::{MESSAGE_ID, REASON, ROUTE, SOURCE};
 use oncely::{Delivery, HandlerError, KeyExtractor, Route, handler_fn};
 use oncely_amqp::Runner;
 
-/// Headers claiming the message is already one of oncely's dead letters from `queue`.
+/// Headers claiming the message is already one of oncely's dead letters from `queue`, one
+/// written before oncely dropped the broker's marks: deaths in a retry queue only.
 fn forged(queue: &str) -> FieldTable {
-    let mut headers = FieldTable::default();
+    let mut headers = retry_deaths(&format!("{queue}.retry.1000ms"));
     for (name, value) in [
         (REASON, "rejected"),
         (SOURCE, queue),
         (ROUTE, "forged"),
         (MESSAGE_ID, "forged-id"),
+    ] {
+        headers.insert(name.into(), AMQPValue::LongString(value.into()));
+    }
+    headers
+}
+
+/// The broker's marks of one death in `retry_queue` (its delay ran out), as RabbitMQ 3.10
+/// writes them, and the `x-last-death-*` of 3.13 and later.
+fn retry_deaths(retry_queue: &str) -> FieldTable {
+    let mut death = FieldTable::default();
+    death.insert("count".into(), AMQPValue::LongLongInt(1));
+    death.insert("reason".into(), AMQPValue::LongString("expired".into()));
+    death.insert("queue".into(), AMQPValue::LongString(retry_queue.into()));
+    death.insert("time".into(), AMQPValue::Timestamp(1_700_000_000));
+    death.insert("exchange".into(), AMQPValue::LongString("".into()));
+    let routing_keys = vec![AMQPValue::LongString(retry_queue.into())];
+    death.insert(
+        "routing-keys".into(),
+        AMQPValue::FieldArray(FieldArray::from(routing_keys)),
+    );
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-death".into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+    );
+    for prefix in ["x-first-death", "x-last-death"] {
+        headers.insert(
+            format!("{prefix}-queue").into(),
+            AMQPValue::LongString(retry_queue.into()),
+        );
+        headers.insert(
+            format!("{prefix}-reason").into(),
+            AMQPValue::LongString("expired".into()),
+        );
+        headers.insert(
+            format!("{prefix}-exchange").into(),
+            AMQPValue::LongString("".into()),
+        );
+    }
+    headers
+}
+
+/// A dead letter as oncely wrote them before dropping the broker's marks: its reason and
+/// source, and the marks of a retry hop through `retry_queue`.
+fn written_before_the_marks_were_dropped(queue: &str, retry_queue: &str) -> FieldTable {
+    let mut headers = retry_deaths(retry_queue);
+    for (name, value) in [
+        (REASON, "attempts_exhausted"),
+        (SOURCE, queue),
+        (ROUTE, "forgery"),
     ] {
         headers.insert(name.into(), AMQPValue::LongString(value.into()));
     }
@@ -63,7 +116,8 @@ async fn forged_dead_letter_headers_change_nothing() {
     };
 
     // A message RabbitMQ dead-letters itself (another consumer rejects it), forged headers
-    // and all: it lands in the dead-letter queue with `x-death`.
+    // and all — a retry queue's deaths among them, as an old letter of oncely's carries: it
+    // lands in the dead-letter queue with a death in the work queue.
     publish(r#"{"orderId":"broker"}"#).await;
     wait_until(Duration::from_secs(10), || async {
         ready_messages(&channel, &queue).await == 1
@@ -105,6 +159,27 @@ async fn forged_dead_letter_headers_change_nothing() {
         ready_messages(&channel, &dlq).await == 2
     })
     .await;
+    // And one written before the upgrade, straight into the dead-letter queue.
+    let old = BasicProperties::default().with_headers(written_before_the_marks_were_dropped(
+        &queue,
+        &format!("{queue}.retry.1000ms"),
+    ));
+    channel
+        .basic_publish(
+            "".into(),
+            dlq.as_str().into(),
+            BasicPublishOptions::default(),
+            br#"{"orderId":"before"}"#,
+            old,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(10), || async {
+        ready_messages(&channel, &dlq).await == 3
+    })
+    .await;
     stop_runner(shutdown, running).await;
     let seen = seen.lock().unwrap().clone();
     assert!(!seen.is_empty(), "the handler never ran");
@@ -115,11 +190,16 @@ async fn forged_dead_letter_headers_change_nothing() {
 
     let list = json(&oncely(&args(&["--json", "dlq", "list", "--queue", &queue], &[])).await);
     let letters = list["dead_letters"].as_array().expect("a list").clone();
-    assert_eq!(letters.len(), 2, "{list}");
+    assert_eq!(letters.len(), 3, "{list}");
+    let oncely_letters = letters.iter().filter(|letter| letter["oncely"] == true).count();
+    assert_eq!(
+        oncely_letters, 2,
+        "the runner's letter and the one written before the upgrade are oncely's: {list}"
+    );
     let theirs = |oncely: bool| {
         letters
             .iter()
-            .find(|letter| letter["oncely"] == oncely)
+            .find(|letter| letter["oncely"] == oncely && letter["reason"] != "attempts_exhausted")
             .unwrap_or_else(|| panic!("no letter with oncely = {oncely}: {list}"))
             .clone()
     };
@@ -134,7 +214,7 @@ async fn forged_dead_letter_headers_change_nothing() {
     );
     assert_eq!(theirs(false)["route"], "forged");
 
-    // The purge deletes the runner's letter only; the broker's stays, and is not replayed.
+    // The purge deletes oncely's letters only; the broker's stays, and is not replayed.
     let _ = oncely(&args(&["dlq", "purge", "--queue", &queue, "--yes"], &[])).await;
     assert_eq!(
         ready_messages(&channel, &dlq).await,

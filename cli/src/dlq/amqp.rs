@@ -45,6 +45,9 @@ pub(super) struct DeadLetterQueue {
     remote: Remote,
     /// The work queue: where a replay sends copies.
     queue: String,
+    /// The work queue's suspect queue: with the work queue, the queues the broker
+    /// dead-letters into the dead-letter queue.
+    suspect_queue: String,
     dead_letter_queue: String,
     /// The channel dead letters are read on, unacknowledged: closing it gives them back.
     reading: Option<Channel>,
@@ -66,6 +69,7 @@ impl DeadLetterQueue {
             connection,
             remote,
             queue: queue.to_owned(),
+            suspect_queue: Topology::new(queue).suspect_queue().to_owned(),
             dead_letter_queue: Topology::new(queue).dead_letter_queue().to_owned(),
             reading: None,
             publisher: None,
@@ -126,7 +130,7 @@ impl DeadLetters for DeadLetterQueue {
             let Some(message) = self.remote.call(get).await? else {
                 break;
             };
-            let info = describe(letters.len() + 1, &message);
+            let info = describe(letters.len() + 1, &message, [&self.queue, &self.suspect_queue]);
             matched += usize::from(filter.is_none_or(|f| info.matches(f, now)));
             letters.push((info, message));
         }
@@ -209,13 +213,16 @@ fn is_not_found(error: &(dyn std::error::Error + 'static)) -> bool {
     })
 }
 
-/// What the dead-letter schema says of `message`, at `position`.
+/// What the dead-letter schema says of `message`, at `position`, in the dead-letter queue
+/// of the queues named `dead_lettering_queues` (the work and suspect queues).
 ///
-/// A message RabbitMQ dead-lettered itself (it carries `x-death`: rejected by another
-/// consumer, past a delivery limit or a TTL) is the broker's, whatever else it carries: the
-/// runner writes its dead letters without those marks, and drops a producer's dead-letter
-/// headers, so a letter with both was forged, or copied by mistake.
-fn describe(position: usize, message: &BasicGetMessage) -> DeadLetterInfo {
+/// A message RabbitMQ dead-lettered itself from one of those queues (rejected by another
+/// consumer, past a delivery limit) is the broker's, whatever else it carries: the runner
+/// writes its dead letters without a death from those queues, and drops a producer's
+/// dead-letter headers, so a letter with both was forged, or copied by mistake. Deaths in
+/// retry queues (a letter written before oncely dropped the broker's marks from its copies
+/// carries them from its retries) leave the letter oncely's.
+fn describe(position: usize, message: &BasicGetMessage, dead_lettering_queues: [&str; 2]) -> DeadLetterInfo {
     let properties = &message.delivery.properties;
     let message_id = properties.message_id().as_ref().map(|id| id.to_string());
     let info = DeadLetterInfo::new(
@@ -224,16 +231,56 @@ fn describe(position: usize, message: &BasicGetMessage) -> DeadLetterInfo {
         &headers(message),
         message.delivery.data.len(),
     );
-    let broker_dead_lettered = properties.headers().as_ref().is_some_and(|table| {
-        table
-            .inner()
-            .keys()
-            .any(|name| oncely_amqp::is_broker_death(name.as_str()))
-    });
+    let broker_dead_lettered = properties
+        .headers()
+        .as_ref()
+        .is_some_and(|table| dead_lettered_from(table, dead_lettering_queues));
     match broker_dead_lettered {
         true => info.not_oncely(),
         false => info,
     }
+}
+
+/// Whether RabbitMQ last dead-lettered the message of `table` from one of `queues`: by
+/// `x-last-death-queue` (written by RabbitMQ 3.13 and later) or by the first, most recent,
+/// entry of `x-death` — either: RabbitMQ before 3.13 leaves a producer's
+/// `x-last-death-queue` as it is but puts its own death first in `x-death`, and 3.13 and
+/// later overwrite `x-last-death-queue`. A death whose queue cannot be read counts as
+/// theirs: such a letter is left to a person, never replayed by rule.
+fn dead_lettered_from(table: &FieldTable, queues: [&str; 2]) -> bool {
+    let header = |name: &str| {
+        table
+            .inner()
+            .iter()
+            .find(|(header, _)| header.as_str() == name)
+            .map(|(_, value)| value)
+    };
+    let text = |value: &AMQPValue| match value {
+        AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
+        AMQPValue::ShortString(text) => Some(text.as_str().to_owned()),
+        _ => None,
+    };
+    let most_recent = |deaths: &AMQPValue| match deaths {
+        AMQPValue::FieldArray(deaths) => match deaths.as_slice().first() {
+            Some(AMQPValue::FieldTable(death)) => death
+                .inner()
+                .iter()
+                .find(|(name, _)| name.as_str() == "queue")
+                .and_then(|(_, queue)| text(queue)),
+            _ => None,
+        },
+        _ => None,
+    };
+    let (last, deaths) = (header("x-last-death-queue"), header("x-death"));
+    if last.is_none() && deaths.is_none() {
+        return false;
+    }
+    let died_at = [last.and_then(text), deaths.and_then(most_recent)];
+    died_at.iter().all(Option::is_none)
+        || died_at
+            .iter()
+            .flatten()
+            .any(|queue| queues.contains(&queue.as_str()))
 }
 
 /// The message's headers as text (`oncely_amqp::headers_of`): strings as they are, numbers
