@@ -29,10 +29,13 @@ use crate::error::Error;
 use crate::topology::Topology;
 
 /// Header on every copy (retry, suspect, dead letter), beside the dead-letter schema of
-/// [`oncely::dead_letter`]: the exchange the message was first published to. AMQP only.
+/// [`oncely::dead_letter`]: the exchange the message was first published to. AMQP only. A
+/// message replayed from the dead-letter queue (`oncely dlq replay`) starts afresh: its
+/// copies name the default exchange `""` and the work queue, as the replay published it.
 pub const ORIGINAL_EXCHANGE_HEADER: &str = "x-oncely-original-exchange";
 /// Header on every copy (retry, suspect, dead letter), beside the dead-letter schema of
-/// [`oncely::dead_letter`]: the routing key the message was first published with. AMQP only.
+/// [`oncely::dead_letter`]: the routing key the message was first published with (the work
+/// queue's name for a replayed message). AMQP only.
 pub const ORIGINAL_ROUTING_KEY_HEADER: &str = "x-oncely-original-routing-key";
 
 /// How many unacked deliveries the broker sends ahead (`basic.qos`), unless configured
