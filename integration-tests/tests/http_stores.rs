@@ -274,27 +274,49 @@ async fn with_the_batched_record_copies_apply_once_and_a_failure_spares_its_batc
 /// withdrawn), and the batch commits the others. Each kept request runs once — a batch
 /// rolled back would run its requests again — and no request gone before its turn runs.
 /// Rounds until one request left between its claim and its turn (how arrivals spread over
-/// the lanes varies), at most five: seen on a key the batch took over, which a withdrawal
-/// leaves noted.
+/// the lanes varies) in a round where no batch lost a claim to another lane, at most five:
+/// seen on a key the batch took over, which a withdrawal leaves noted.
 async fn a_client_that_hangs_up_in_a_batch_spares_its_neighbours(store: HttpStore) {
+    let logs = CapturedLogs::start();
     let shop = AnyShop::new(store, 16).await;
     let server = TestServer::start(shop.record_only_app(true)).await;
     shop.faults().pace_ms.store(3, Ordering::SeqCst);
     let mut effects = 0;
     for round in 0..5 {
-        effects += hang_up_round(&shop, &server, round).await;
+        let Round { committed, clean } = hang_up_round(&shop, &server, &logs, round).await;
+        effects += committed;
         assert_eq!(shop.effects().await, effects);
-        let withdrawn = "SELECT count(*) FROM consumption_record WHERE error_details LIKE '%withdrawn%'";
-        if shop.count(withdrawn).await > 0 {
+        let withdrawn = format!(
+            "SELECT count(*) FROM consumption_record WHERE error_details LIKE '%withdrawn%' AND message_key LIKE '%:r{round}-%'"
+        );
+        if clean && shop.count(&withdrawn).await > 0 {
             return;
         }
     }
     panic!("in five rounds no request left between its claim and its turn: the test shows nothing");
 }
 
-/// One round of [`a_client_that_hangs_up_in_a_batch_spares_its_neighbours`]: answers the
-/// effects it committed.
-async fn hang_up_round(shop: &AnyShop, server: &TestServer, round: usize) -> i64 {
+/// What one round of [`a_client_that_hangs_up_in_a_batch_spares_its_neighbours`] did.
+struct Round {
+    /// The effects it committed.
+    committed: i64,
+    /// False if a batch lost a claim to another lane's (on MariaDB, a deadlock or a lock
+    /// wait, which rolls back what the batch ran so far, hang-up or not): its reruns show
+    /// nothing about hang-ups.
+    clean: bool,
+}
+
+/// The batched record's reports of a batch rolled back for a claim another lane's batch
+/// held, logged since `logs` began.
+fn claims_lost(logs: &CapturedLogs) -> Vec<String> {
+    let mut lost = logs.lines("DEBUG", "a batch could not claim its joiners");
+    lost.extend(logs.lines("DEBUG", "a batch lost its claim to another transaction"));
+    lost
+}
+
+/// One round of [`a_client_that_hangs_up_in_a_batch_spares_its_neighbours`].
+async fn hang_up_round(shop: &AnyShop, server: &TestServer, logs: &CapturedLogs, round: usize) -> Round {
+    let lost_before = claims_lost(logs).len();
     let body = |key: &str| format!(r#"{{"order":"{key}"}}"#);
     // Interleaved in key order, so that the batch's turns alternate between the two.
     let kept: Vec<String> = (0..16).map(|i| format!("r{round}-{i:02}-a-kept")).collect();
@@ -334,7 +356,21 @@ async fn hang_up_round(shop: &AnyShop, server: &TestServer, round: usize) -> i64
     for (key, answer) in kept.iter().zip(kept_answers) {
         let answer = answer.await.expect("a kept request's task");
         assert_eq!(answer, (201, false), "{key}");
-        assert_eq!(runs(key), 1, "{key} ran again: its batch rolled back");
+    }
+    let clean = claims_lost(logs).len() == lost_before;
+    for key in &kept {
+        assert!(
+            runs(key) == 1 || (runs(key) == 2 && !clean),
+            "{key} ran {} times: its batch rolled back. What the batches and the layer logged:\n{}",
+            runs(key),
+            [
+                logs.lines("", "batch"),
+                logs.lines("WARN", ""),
+                logs.lines("ERROR", "")
+            ]
+            .concat()
+            .join("\n")
+        );
     }
     // Every run that started goes on to its end; none gone before its turn runs.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -358,5 +394,8 @@ async fn hang_up_round(shop: &AnyShop, server: &TestServer, round: usize) -> i64
         assert_eq!(answer, (201, false), "{gone}");
     }
     let ran = leaving.iter().filter(|key| runs(key) > 0).count();
-    16 + ran as i64
+    Round {
+        committed: 16 + ran as i64,
+        clean,
+    }
 }
