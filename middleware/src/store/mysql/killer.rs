@@ -22,7 +22,11 @@
 //! counts its sessions from 1 again: there the same number may be another consumer's
 //! session. A `KILL` is sent only on a connection to the server the session was on
 //! (`@@hostname:@@port`), started before the session was (its `Uptime`); a session on a
-//! server no longer reached ends when its statement does.
+//! server no longer reached ends when its statement does. Limits: two servers given the
+//! same host name and port (containers often are) are told apart only by their start; and
+//! behind a load balancer that spreads connections over several servers the killer tries
+//! two connections per session, so a session on a server neither reached ends when its
+//! statement does.
 //!
 //! Why every step is timed: a killer connection that hangs (a half-open socket after a
 //! failover, a dropped SYN) would hold every queued slot, and the pool would run dry.
@@ -42,8 +46,8 @@ const IDLE: Duration = Duration::from_secs(30);
 /// connection (and, on a second failure, that session).
 const ANSWER: Duration = Duration::from_secs(5);
 
-/// How long, after the server could not be reached, the killer lets doomed sessions go
-/// without trying again: while it is down each would otherwise hold its slot for [`ANSWER`]
+/// How long, after the server could not be reached or did not answer a `KILL`, the killer
+/// lets doomed sessions go without trying again: while it is down each would otherwise hold its slot for [`ANSWER`]
 /// in turn.
 const BACK_OFF: Duration = Duration::from_secs(1);
 
@@ -201,7 +205,14 @@ async fn kill_one(
         match tokio::time::timeout(ANSWER, connected.connection.execute(sqlx::raw_sql(&kill))).await {
             // 1094, "unknown thread": it is gone already.
             Ok(Ok(_)) | Ok(Err(sqlx::Error::Database(_))) => return true,
-            Ok(Err(_)) | Err(_) => *killer = None,
+            // The connection broke: once more, on a new one.
+            Ok(Err(_)) => *killer = None,
+            // No answer: taken as a server out of reach, so that each session queued behind
+            // does not hold its slot through another wait.
+            Err(_) => {
+                *killer = None;
+                return false;
+            }
         }
     }
     tracing::warn!(
@@ -212,28 +223,40 @@ async fn kill_one(
     true
 }
 
-/// A new connection of the killer's and the server run it reached, within [`ANSWER`].
+/// A new connection of the killer's and the server run it reached, within [`ANSWER`]; a
+/// failure is logged, as no session is killed until a connection is made.
 async fn connect(options: &MySqlConnectOptions) -> Option<KillerConnection> {
     let attempt = async {
-        let mut connection = options.connect().await.ok()?;
+        let mut connection = options.connect().await?;
         let server = sqlx::query_scalar(&format!("SELECT {SERVER}"))
             .fetch_one(&mut connection)
-            .await
-            .ok()?;
+            .await?;
         // Text protocol: `SHOW` answers strings, and not every server prepares it.
         let status = connection
             .fetch_one(sqlx::raw_sql("SHOW GLOBAL STATUS LIKE 'Uptime'"))
-            .await
-            .ok()?;
-        let uptime: String = status.try_get(1).ok()?;
+            .await?;
+        let uptime: String = status.try_get(1)?;
+        let uptime = uptime
+            .parse()
+            .map_err(|_| sqlx::Error::Protocol(format!("an uptime that is not a number: {uptime}")))?;
         let reached = ServerRun {
             server,
             read_at: Instant::now(),
-            uptime: Duration::from_secs(uptime.parse().ok()?),
+            uptime: Duration::from_secs(uptime),
         };
-        Some(KillerConnection { connection, reached })
+        Ok::<_, sqlx::Error>(KillerConnection { connection, reached })
     };
-    tokio::time::timeout(ANSWER, attempt).await.ok().flatten()
+    match tokio::time::timeout(ANSWER, attempt).await {
+        Ok(Ok(connected)) => Some(connected),
+        Ok(Err(error)) => {
+            tracing::warn!(%error, "the killer of abandoned sessions could not connect");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("the killer of abandoned sessions could not connect within {ANSWER:?}");
+            None
+        }
+    }
 }
 
 /// Against the server on `MYSQL_URL`: a session is killed only on the server run it lives on.
