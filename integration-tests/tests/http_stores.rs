@@ -306,10 +306,10 @@ struct Round {
     clean: bool,
 }
 
-/// The batched record's reports of a batch rolled back for a claim another lane's batch
-/// held, logged since `logs` began.
+/// The batched record's reports of a batch that lost a claim to another lane's (the
+/// server's verdict on a deadlock or a lock wait), logged since `logs` began.
 fn claims_lost(logs: &CapturedLogs) -> Vec<String> {
-    let mut lost = logs.lines("DEBUG", "a batch could not claim its joiners");
+    let mut lost = logs.lines("DEBUG", "a batch lost its joiners' claims to another transaction");
     lost.extend(logs.lines("DEBUG", "a batch lost its claim to another transaction"));
     lost
 }

@@ -356,7 +356,14 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                     // connection, a failed statement a handler swallowed): whose doing it
                     // was is unknown, and everyone runs alone, which also tells a store
                     // that is down.
-                    tracing::debug!(%error, "a batch could not claim its joiners");
+                    match R::lost_to_another_transaction(&error) {
+                        true => {
+                            tracing::debug!(%error, "a batch lost its joiners' claims to another transaction; everyone runs alone")
+                        }
+                        false => {
+                            tracing::debug!(%error, "a batch could not claim its joiners; everyone runs alone")
+                        }
+                    }
                     for joiner in fresh {
                         let _ = joiner.reply.send(Word::Alone);
                     }
