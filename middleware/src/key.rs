@@ -561,8 +561,8 @@ mod properties {
             template in template(),
             // Mostly the characters of templates, `%` and hex digits, where two sets of values
             // could meet; then any printable text, then a control character.
-            a in vec("[%25A:_/.a-]{1,4}|\\PC{0,12}|[\\x00-\\x1f]", 3),
-            b in vec("[%25A:_/.a-]{1,4}|\\PC{0,12}|[\\x00-\\x1f]", 3),
+            a in vec("[%2357ABDEF:_/.a-]{1,4}|\\PC{0,12}|[\\x00-\\x1f]", 3),
+            b in vec("[%2357ABDEF:_/.a-]{1,4}|\\PC{0,12}|[\\x00-\\x1f]", 3),
         ) {
             let keys = KeyExtractor::template(&template).expect("a valid template");
             let fields = keys.parts.iter().filter(|part| matches!(part, Part::Field(_))).count();

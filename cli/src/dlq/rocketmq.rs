@@ -36,7 +36,7 @@ use oncely_rocketmq::rocketmq_model::common::message::message_queue::MessageQueu
 use oncely_rocketmq::rocketmq_model::common::message::message_single::Message;
 use oncely_rocketmq::{OwnedClientRuntime, kept_properties, send_stored, user_properties};
 
-use super::{DeadLetterInfo, DeadLetters, Filter, SCHEMA_NAMES, Whole};
+use super::{DeadLetterInfo, DeadLetters, Filter, Whole};
 use crate::Globals;
 use crate::error::{CliError, Remote};
 
@@ -363,7 +363,6 @@ impl DeadLetters for DeadLetterTopic {
         let existing = properties
             .get(dead_letter::HISTORY)
             .map(|history| history.to_string());
-        properties.retain(|name, _| !SCHEMA_NAMES.contains(&name.as_str()));
         properties.insert(
             dead_letter::HISTORY.into(),
             info.history(existing.as_deref()).into(),
