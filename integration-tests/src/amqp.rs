@@ -226,6 +226,39 @@ pub fn crash_on_notify(
     })
 }
 
+/// Runs `route` over `topology` (dead-lettering after 3 runs alone) as a consumer named
+/// after `name`, cut off from `broker` each time `crashed` is notified, until the dead-letter
+/// queue holds one message and `runs` counted 20 keys starting with `ok`; then stops it.
+/// A crash loop among 20 good messages, for its test to check what it left.
+pub async fn run_through_a_crash_loop<S>(
+    broker: Broker,
+    route: Route<S>,
+    topology: &Topology,
+    name: &str,
+    crashed: Arc<tokio::sync::Notify>,
+    runs: &Runs,
+) where
+    S: tower::Service<Envelope, Response = Outcome> + Clone + Send + Sync + 'static,
+    S::Error: Into<oncely::BoxError>,
+    S::Future: Send,
+{
+    let connection = broker.connect().await;
+    let channel = connection.create_channel().await.unwrap();
+    let runner = Runner::new(route, topology.clone())
+        .with_max_deliveries(3)
+        .with_shutdown_grace(Duration::from_millis(100));
+    let name = crate::unique(name);
+    let (shutdown, running) = start_runner(runner, broker.address(), &name);
+    let killer = crash_on_notify(broker, &name, crashed);
+    let dlq = topology.dead_letter_queue();
+    crate::wait_until(Duration::from_secs(60), || async {
+        ready_messages(&channel, dlq).await == 1 && runs.keys_starting("ok") == 20
+    })
+    .await;
+    stop_runner(shutdown, running).await;
+    killer.abort();
+}
+
 /// Stops a runner [`start_runner`] started, checks it ended without an error and returns its
 /// report.
 pub async fn stop_runner(shutdown: CancellationToken, running: Running) -> RunReport {

@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use integration_tests::amqp::{
-    Broker, Runs, crash_on_notify, ready_messages, start_runner, stop_runner, test_topology,
+    Broker, Runs, ready_messages, run_through_a_crash_loop, start_runner, stop_runner, test_topology,
 };
 use integration_tests::on_both_brokers;
 use integration_tests::postgres::{BoxedStack, ScratchSchema, boxed, pool, schema_pool};
-use integration_tests::{unique, wait_until};
+use integration_tests::wait_until;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, ExchangeKind};
@@ -282,19 +282,15 @@ async fn a_message_that_takes_its_consumer_down_on_a_classic_queue_is_dead_lette
     // Declared before the runner does: a passive look at a queue not there yet would close
     // the test's channel.
     topology.declare(&channel).await.unwrap();
-    let runner = Runner::new(route, topology.clone())
-        .with_max_deliveries(3)
-        .with_shutdown_grace(Duration::from_millis(100));
-    let name = unique("oncely-test-classic-crash");
-    let (shutdown, running) = start_runner(runner, broker.address(), &name);
-    let killer = crash_on_notify(broker, &name, crashed);
-    let dlq = topology.dead_letter_queue();
-    wait_until(Duration::from_secs(60), || async {
-        ready_messages(&channel, dlq).await == 1 && runs.keys_starting("ok") == 20
-    })
+    run_through_a_crash_loop(
+        broker,
+        route,
+        &topology,
+        "oncely-test-classic-crash",
+        crashed,
+        &runs,
+    )
     .await;
-    stop_runner(shutdown, running).await;
-    killer.abort();
     // One crash among others, then three alone; then it never ran again.
     assert_eq!(runs.of("poison"), 4);
     assert_eq!(ready_messages(&channel, &queue).await, 0);

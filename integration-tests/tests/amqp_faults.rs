@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use integration_tests::amqp::{
     Broker, Runs, close_connections_on, crash_on_notify, drain, header_text, ready_messages,
-    scratch_topology, start_runner, stop_runner, topology_with_orders,
+    run_through_a_crash_loop, scratch_topology, start_runner, stop_runner, topology_with_orders,
 };
 use integration_tests::amqp_tap::AmqpTap;
 use integration_tests::dead_letter;
@@ -131,19 +131,8 @@ async fn a_message_that_takes_its_consumer_down_every_time_is_dead_lettered_and_
         }
     });
     let route = Route::new("crash-loop", KeyExtractor::json_pointer("/orderId"), handler);
-    let runner = Runner::new(route, topology.clone())
-        .with_max_deliveries(3)
-        .with_shutdown_grace(Duration::from_millis(100));
-    let name = unique("oncely-test-crash-loop");
-    let (shutdown, running) = start_runner(runner, broker.address(), &name);
-    let killer = crash_on_notify(broker, &name, crashed);
+    run_through_a_crash_loop(broker, route, &topology, "oncely-test-crash-loop", crashed, &runs).await;
     let dlq = topology.dead_letter_queue();
-    wait_until(Duration::from_secs(60), || async {
-        ready_messages(&channel, dlq).await == 1 && runs.keys_starting("ok") == 20
-    })
-    .await;
-    stop_runner(shutdown, running).await;
-    killer.abort();
 
     let dead = drain(&channel, dlq).await;
     assert_eq!(dead.len(), 1, "only the poison message is dead-lettered");
