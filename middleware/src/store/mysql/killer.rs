@@ -43,12 +43,12 @@ use tokio::sync::mpsc;
 const IDLE: Duration = Duration::from_secs(30);
 
 /// How long connecting, and each `KILL`, may take before the killer gives up its
-/// connection (and, on a second failure, that session).
+/// connection and that session (see [`BACK_OFF`]).
 const ANSWER: Duration = Duration::from_secs(5);
 
 /// How long, after the server could not be reached or did not answer a `KILL`, the killer
-/// lets doomed sessions go without trying again: while it is down each would otherwise hold its slot for [`ANSWER`]
-/// in turn.
+/// lets doomed sessions go without trying again: while it is down each would otherwise hold
+/// its slot for [`ANSWER`] in turn.
 const BACK_OFF: Duration = Duration::from_secs(1);
 
 /// The SQL expression naming the server a connection is on: host name and port, which
