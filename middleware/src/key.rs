@@ -67,15 +67,24 @@ enum Part {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyExtractor {
     parts: Arc<[Part]>,
+    /// The characters a field's value is written with percent-encoded ([`escaped`]): none
+    /// for one field.
+    escaped: Arc<[char]>,
     max_len: usize,
 }
 
 impl KeyExtractor {
     /// A key that is exactly one field's value.
     pub fn field(field: KeyField) -> Self {
+        Self::of_parts(vec![Part::Field(field)], DEFAULT_MAX_KEY_LEN)
+    }
+
+    /// The extractor of `parts`, its escaped characters found once, here.
+    fn of_parts(parts: Vec<Part>, max_len: usize) -> Self {
         KeyExtractor {
-            parts: Arc::from([Part::Field(field)]),
-            max_len: DEFAULT_MAX_KEY_LEN,
+            escaped: escaped(&parts).into(),
+            parts: parts.into(),
+            max_len,
         }
     }
 
@@ -108,10 +117,7 @@ impl KeyExtractor {
             template: template.to_owned(),
             reason: reason.to_owned(),
         })?;
-        Ok(KeyExtractor {
-            parts: parts.into(),
-            max_len: DEFAULT_MAX_KEY_LEN,
-        })
+        Ok(Self::of_parts(parts, DEFAULT_MAX_KEY_LEN))
     }
 
     /// Appends `:namespace` to every key, so that one message id or order id can stand for
@@ -119,10 +125,7 @@ impl KeyExtractor {
     pub fn with_namespace(self, namespace: &str) -> Self {
         let mut parts = self.parts.to_vec();
         parts.push(Part::Literal(format!(":{namespace}")));
-        KeyExtractor {
-            parts: parts.into(),
-            max_len: self.max_len,
-        }
+        Self::of_parts(parts, self.max_len)
     }
 
     /// Sets the maximum key length in bytes (default [`DEFAULT_MAX_KEY_LEN`]). Longer keys
@@ -144,7 +147,6 @@ impl KeyExtractor {
     /// those characters, and one field's value always, are written as they are.
     pub fn extract(&self, delivery: &Delivery) -> Result<BusinessKey, InputError> {
         let mut key = String::new();
-        let escaped = self.escaped();
         for part in self.parts.iter() {
             match part {
                 Part::Literal(text) => key.push_str(text),
@@ -161,10 +163,7 @@ impl KeyExtractor {
                             character,
                         });
                     }
-                    match &escaped {
-                        None => key.push_str(&value),
-                        Some(escaped) => push_escaped(&mut key, &value, escaped),
-                    }
+                    push_escaped(&mut key, &value, &self.escaped);
                 }
             }
         }
@@ -178,34 +177,36 @@ impl KeyExtractor {
     }
 }
 
-impl KeyExtractor {
-    /// The characters a field's value is written with percent-encoded: `%` and the first
-    /// character of each separator between two fields, for a template of two fields or
-    /// more; `None` for one field. Enough for no two sets of values to compose one key (see
-    /// [`extract`](Self::extract)); escaping more would change keys for no gain.
-    fn escaped(&self) -> Option<Vec<char>> {
-        let separators: Vec<char> = self
-            .parts
-            .windows(3)
-            .filter_map(|window| match window {
-                [Part::Field(_), Part::Literal(text), Part::Field(_)] => text.chars().next(),
-                _ => None,
-            })
-            .collect();
-        (!separators.is_empty()).then(|| {
-            let mut escaped = vec!['%'];
-            for separator in separators {
-                if !escaped.contains(&separator) {
-                    escaped.push(separator);
-                }
-            }
-            escaped
+/// The characters a field's value is written with percent-encoded: `%` and the first
+/// character of each separator between two fields, for a template of two fields or more;
+/// none for one field. Enough for no two sets of values to compose one key (see
+/// [`KeyExtractor::extract`]); escaping more would change keys for no gain.
+fn escaped(parts: &[Part]) -> Vec<char> {
+    let separators: Vec<char> = parts
+        .windows(3)
+        .filter_map(|window| match window {
+            [Part::Field(_), Part::Literal(text), Part::Field(_)] => text.chars().next(),
+            _ => None,
         })
+        .collect();
+    if separators.is_empty() {
+        return Vec::new();
     }
+    let mut escaped = vec!['%'];
+    for separator in separators {
+        if !escaped.contains(&separator) {
+            escaped.push(separator);
+        }
+    }
+    escaped
 }
 
 /// `value` onto `key`, with each of `escaped` written as the `%XX` of its UTF-8 bytes.
 fn push_escaped(key: &mut String, value: &str, escaped: &[char]) {
+    if escaped.is_empty() {
+        key.push_str(value);
+        return;
+    }
     for character in value.chars() {
         match escaped.contains(&character) {
             true => {
