@@ -162,12 +162,9 @@ impl Counters {
             // Another's count (a producer's, say) would be read back with the seal, which
             // then would not match: none is the count sealed.
             None if headers.contains_key(crate::RETURNS_HEADER) => {
-                let others = headers
-                    .inner()
-                    .iter()
-                    .filter(|(name, _)| name.as_str() != crate::RETURNS_HEADER)
-                    .map(|(name, value)| (name.clone(), value.clone()));
-                *headers = FieldTable::from(others.collect::<std::collections::BTreeMap<_, _>>());
+                let mut others = headers.inner().clone();
+                others.remove(crate::RETURNS_HEADER);
+                *headers = FieldTable::from(others);
             }
             None => {}
         }

@@ -23,7 +23,7 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 use oncely::dead_letter;
 use oncely_amqp::Topology;
 
-use super::{DeadLetterInfo, DeadLetters, Filter, SCHEMA_NAMES, Whole};
+use super::{DeadLetterInfo, DeadLetters, Filter, Whole};
 use crate::Globals;
 use crate::error::{CliError, Remote};
 
@@ -65,12 +65,13 @@ impl DeadLetterQueue {
                 ConnectionProperties::default(),
             ))
             .await?;
+        let topology = Topology::new(queue);
         let dead = DeadLetterQueue {
             connection,
             remote,
             queue: queue.to_owned(),
-            suspect_queue: Topology::new(queue).suspect_queue().to_owned(),
-            dead_letter_queue: Topology::new(queue).dead_letter_queue().to_owned(),
+            suspect_queue: topology.suspect_queue().to_owned(),
+            dead_letter_queue: topology.dead_letter_queue().to_owned(),
             reading: None,
             publisher: None,
         };
@@ -376,7 +377,9 @@ fn replay_headers(message: &BasicGetMessage, info: &DeadLetterInfo) -> FieldTabl
     let existing = headers(message).remove(dead_letter::HISTORY);
     let original = message.delivery.properties.headers().clone().unwrap_or_default();
     let mut headers = original.inner().clone();
-    for name in SCHEMA_NAMES.iter().chain(&RUNNER_HEADERS) {
+    // The dead-letter schema goes (the history keeps the reason), and so do the runner's
+    // counters: the copy starts afresh.
+    for name in dead_letter::SCHEMA.iter().chain(&RUNNER_HEADERS) {
         headers.remove(*name);
     }
     let mut headers = FieldTable::from(headers);

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{ArgGroup, Args, Subcommand};
 use oncely::DeadLetterReason;
-use oncely::dead_letter::{self, MAX_VALUE_CHARS};
+use oncely::dead_letter::MAX_VALUE_CHARS;
 use serde::Serialize;
 
 use crate::Globals;
@@ -200,10 +200,6 @@ struct Whole<'m> {
     headers: BTreeMap<String, String>,
     body: &'m [u8],
 }
-
-/// What a replayed copy must not carry: the dead-letter schema; the history keeps the
-/// reason. Each broker adds its own counters.
-const SCHEMA_NAMES: [&str; 8] = dead_letter::SCHEMA;
 
 /// One dead letter, as the dead-letter schema describes it.
 #[derive(Clone, Debug, Serialize)]
