@@ -19,6 +19,12 @@
 //! `oncely_prefilter_verdicts_total` (labels `route`, `verdict`: `certainly_new`,
 //! `maybe_seen`).
 //!
+//! The batched record counts its transactions: `oncely_batches_total` (label `ending`:
+//! `committed`, `rolled_back`) and `oncely_batch_deliveries_total`, the deliveries whose
+//! effects committed batches carried (copies answered by a batch's claim without their
+//! handler running are not counted). Deliveries per transaction, the payoff of batching, is
+//! their quotient over the committed batches.
+//!
 //! Reading the payoff of a tier: `duplicates / envelopes` is its hit rate, `passed` is the
 //! load it leaves to the tiers behind (for the flag: what reaches PostgreSQL), and its
 //! `seconds` minus the next tier's is what it costs per envelope.
@@ -33,14 +39,14 @@ pub use recorded::Probe;
 #[cfg(all(feature = "metrics", feature = "prefilter"))]
 pub(crate) use recorded::count_verdict;
 #[cfg(feature = "metrics")]
-pub(crate) use recorded::{count_outcome, count_purged, count_retention_pass};
+pub(crate) use recorded::{count_batch, count_outcome, count_purged, count_retention_pass};
 #[cfg(not(feature = "metrics"))]
 #[doc(hidden)]
 pub use silent::Probe;
 #[cfg(all(not(feature = "metrics"), feature = "prefilter"))]
 pub(crate) use silent::count_verdict;
 #[cfg(not(feature = "metrics"))]
-pub(crate) use silent::{count_outcome, count_purged, count_retention_pass};
+pub(crate) use silent::{count_batch, count_outcome, count_purged, count_retention_pass};
 
 #[cfg(feature = "metrics")]
 mod recorded {
@@ -129,6 +135,19 @@ mod recorded {
             .increment(1);
     }
 
+    /// Counts one transaction of the batched record: `committed` with the effects of
+    /// `deliveries` handlers, or rolled back.
+    pub(crate) fn count_batch(deliveries: usize, committed: bool) {
+        let ending = match committed {
+            true => "committed",
+            false => "rolled_back",
+        };
+        metrics::counter!("oncely_batches_total", "ending" => ending).increment(1);
+        if committed {
+            metrics::counter!("oncely_batch_deliveries_total").increment(deliveries as u64);
+        }
+    }
+
     /// Counts a pre-filter's verdict for `envelope`: `certainly_new` or `maybe_seen`.
     #[cfg(feature = "prefilter")]
     pub(crate) fn count_verdict(envelope: &Envelope, verdict: &'static str) {
@@ -160,6 +179,7 @@ mod silent {
     pub(crate) fn count_outcome(_: &Arc<str>, _: &Outcome) {}
     pub(crate) fn count_purged(_: &str, _: u64) {}
     pub(crate) fn count_retention_pass(_: &str, _: &'static str) {}
+    pub(crate) fn count_batch(_: usize, _: bool) {}
 
     #[cfg(feature = "prefilter")]
     pub(crate) fn count_verdict(_: &Envelope, _: &'static str) {}

@@ -1,7 +1,7 @@
 //! The lanes of the batched mode: each runs one transaction at a time and fills it with the
 //! deliveries that wait while it is open.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
@@ -11,7 +11,9 @@ use futures_util::FutureExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use super::TransactionalRecord;
+use super::traffic::{Traffic, answer_from_commit};
 use crate::envelope::{BusinessKey, Envelope};
+use crate::fingerprint::Fingerprint;
 use crate::outcome::{Outcome, RetryReason};
 use crate::record::Begin;
 use crate::store::sql::{ClaimRequest, claim_request};
@@ -181,6 +183,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle> + Clone> Lanes<R, W> {
                 writer: self.writer.clone(),
                 limits: self.limits,
                 receiver: Mutex::new(receiver),
+                traffic: Traffic::default(),
             });
             for _ in 0..self.limits.lanes {
                 tokio::spawn(lane.clone().run());
@@ -245,6 +248,8 @@ struct Lane<R: TransactionalRecord, W: Writer<R::Handle>> {
     /// Idle lanes wait here for the first delivery of their next batch; a busy lane only
     /// takes what is already waiting.
     receiver: Mutex<mpsc::Receiver<Joiner<W::Work>>>,
+    /// The keys the open batches hold, and how many are open.
+    traffic: Traffic<W::Work>,
 }
 
 /// How a batch's transaction ends.
@@ -271,6 +276,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 tokio::task::yield_now().await;
                 let mut intake = vec![first];
                 take_waiting(&mut receiver, &mut intake, self.limits.max_batch);
+                self.fill_while_others_commit(&mut receiver, &mut intake).await;
                 intake
             } else {
                 let mut intake = std::mem::take(&mut later);
@@ -282,29 +288,71 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
             // A bug of this lane's (or a set handler panicking before its first await) must
             // not stop it: the batch's deliveries are answered "lanes stopped" (a retry), its
             // connection is closed, and the lane goes on.
-            later = match AssertUnwindSafe(self.batch(intake)).catch_unwind().await {
-                Ok(later) => later,
-                Err(_) => {
-                    tracing::error!("a batched record lane panicked; its batch is retried");
-                    Vec::new()
+            if AssertUnwindSafe(self.batch(intake)).catch_unwind().await.is_err() {
+                tracing::error!("a batched record lane panicked; its batch is retried");
+            }
+            // Copies released by this batch's end that no collecting lane took.
+            later = self.traffic.take_released();
+        }
+    }
+
+    /// Keeps taking deliveries into `intake` while another lane has a batch open, until one
+    /// ends, the batch is full or [`Limits::max_linger`] has passed (a batch that never ends
+    /// must not hold the others back); returns at once when no batch is open.
+    ///
+    /// Nagle's rule, for transactions: while the database is busy with a commit, another
+    /// transaction started for the one delivery that just arrived would pay a `BEGIN`, a
+    /// claim and a commit for it alone (fed by a broker, batches held 4 or 5 deliveries).
+    /// Waiting for a commit to end costs nothing when the server is the bottleneck, and makes
+    /// the next batch hold what arrived meanwhile. A lone delivery, with no batch open,
+    /// starts at once.
+    async fn fill_while_others_commit(
+        &self,
+        receiver: &mut mpsc::Receiver<Joiner<W::Work>>,
+        intake: &mut Vec<Joiner<W::Work>>,
+    ) {
+        let deadline = tokio::time::Instant::now() + self.limits.max_linger;
+        let ends = self.traffic.ends();
+        while intake.len() < self.limits.max_batch {
+            let ended = self.traffic.batch_ended();
+            tokio::pin!(ended);
+            // Registered before the counts are read: an end in between still wakes this lane.
+            ended.as_mut().enable();
+            if self.traffic.open_batches() == 0 || self.traffic.ends() != ends {
+                return;
+            }
+            tokio::select! {
+                biased;
+                () = &mut ended => {
+                    // The copies that batch released join this one.
+                    intake.extend(self.traffic.take_released());
+                    return;
                 }
-            };
+                joiner = receiver.recv() => match joiner {
+                    Some(joiner) => {
+                        intake.push(joiner);
+                        take_waiting(receiver, intake, self.limits.max_batch);
+                    }
+                    None => return,
+                },
+                () = tokio::time::sleep_until(deadline) => return,
+            }
         }
     }
 
     /// Runs one transaction: claims `intake`, runs the handlers, takes in the deliveries that
     /// arrived meanwhile while the batch is within its limits, then commits — or rolls back
     /// and sends the deliveries whose handlers did not fail to another batch, and the
-    /// suspects to run alone. Returns the
-    /// deliveries whose key this batch already had, for the next one: a statement cannot
-    /// claim a key twice, and the copy must see what the first copy's commit left.
-    async fn batch(&self, intake: Vec<Joiner<W::Work>>) -> Vec<Joiner<W::Work>> {
+    /// suspects to run alone. Releases the copies of its keys that arrived while it was open
+    /// (see [`Traffic`]) once it has ended: a statement cannot claim a key twice, and a copy
+    /// must see what the first copy's commit left.
+    async fn batch(&self, intake: Vec<Joiner<W::Work>>) {
         let opened = Instant::now();
-        let mut keys = HashSet::new();
-        let (fresh, mut later) = distinct(intake, &mut keys);
+        let mut holding = self.traffic.open_batch();
+        let fresh = holding.take(intake);
         if fresh.is_empty() {
             // Only copies, or deliveries already gone: no transaction to open for them.
-            return later;
+            return holding.release(Some);
         }
         let requests: Vec<ClaimRequest> = fresh.iter().map(|joiner| joiner.request.clone()).collect();
         let (mut transaction, answers) = match self.record.open(&requests).await {
@@ -318,11 +366,11 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 for joiner in fresh {
                     let _ = joiner.reply.send(Word::Alone);
                 }
-                return later;
+                return holding.release(Some);
             }
             Err(error) => {
                 answer_all(fresh, &store_unavailable(Tier::Record, &error));
-                return later;
+                return holding.release(Some);
             }
         };
         let mut group = self.admit(fresh, answers);
@@ -338,11 +386,10 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 take_waiting(
                     &mut receiver,
                     &mut intake,
-                    self.limits.max_batch.saturating_sub(keys.len()),
+                    self.limits.max_batch.saturating_sub(holding.len()),
                 );
             }
-            let (fresh, copies) = distinct(intake, &mut keys);
-            later.extend(copies);
+            let fresh = holding.take(intake);
             if fresh.is_empty() {
                 break;
             }
@@ -373,8 +420,9 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 }
             }
         }
-        self.settle(transaction, ended, ending).await;
-        later
+        let done = self.settle(transaction, ended, ending).await;
+        let delay = self.record.in_flight_delay();
+        holding.release(|copy| answer_from_commit(copy, &done, delay));
     }
 
     /// Runs the handlers of `group` in `transaction`, adding how each ended to `ended`;
@@ -466,8 +514,14 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
         claimed
     }
 
-    /// Ends the transaction and tells every delivery of the batch its last word.
-    async fn settle(&self, transaction: R::Open, ended: Vec<Ended>, ending: Ending) {
+    /// Ends the transaction and tells every delivery of the batch its last word. Answers the
+    /// keys it committed, with the fingerprints they were claimed with.
+    async fn settle(
+        &self,
+        transaction: R::Open,
+        ended: Vec<Ended>,
+        ending: Ending,
+    ) -> HashMap<BusinessKey, Fingerprint> {
         // Deliveries gone are told their own answer, if anyone still waits for it, whatever
         // the batch did: nothing of theirs was in it.
         let (gone, mut ended): (Vec<Ended>, Vec<Ended>) = ended.into_iter().partition(Ended::gone);
@@ -509,10 +563,13 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 false
             }
         };
+        crate::telemetry::count_batch(ended.len(), committed);
         let mut failures = Vec::new();
+        let mut done = HashMap::new();
         for ended in ended {
             match ended.part {
                 Part::Answered(outcome) if committed => {
+                    done.insert(ended.request.key, ended.request.fingerprint);
                     let _ = ended.reply.send(Word::Ran(outcome));
                 }
                 Part::Answered(outcome) if !outcome.is_settled() => {
@@ -531,6 +588,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
             self.record.note_failure(&request, &outcome.to_string()).await;
             let _ = reply.send(Word::Ran(outcome));
         }
+        done
     }
 }
 
@@ -542,19 +600,6 @@ fn take_waiting<W>(receiver: &mut mpsc::Receiver<Joiner<W>>, intake: &mut Vec<Jo
             Err(_) => break,
         }
     }
-}
-
-/// Splits `intake` into deliveries of keys new to the batch (`keys`), sorted by key so that
-/// concurrent batches lock their keys' rows in one order, and copies of keys it already has.
-/// Deliveries whose future is already gone (a timeout in front while they queued) are left
-/// out: claimed, they would roll the batch back.
-fn distinct<W>(intake: Vec<Joiner<W>>, keys: &mut HashSet<BusinessKey>) -> (Vec<Joiner<W>>, Vec<Joiner<W>>) {
-    let (mut fresh, copies): (Vec<_>, Vec<_>) = intake
-        .into_iter()
-        .filter(|joiner| !joiner.reply.is_closed())
-        .partition(|joiner| keys.insert(joiner.request.key.clone()));
-    fresh.sort_by(|a, b| a.request.key.cmp(&b.request.key));
-    (fresh, copies)
 }
 
 fn answer_all<W>(joiners: Vec<Joiner<W>>, outcome: &Outcome) {

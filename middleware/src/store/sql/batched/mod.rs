@@ -9,6 +9,7 @@
 
 mod lane;
 mod set;
+mod traffic;
 mod turns;
 
 use std::fmt;
@@ -143,15 +144,26 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 /// the deliveries in flight at the same moment share one:
 ///
 /// 1. A delivery joins a *lane* (a few run at once, each with its own connection). An idle
-///    lane opens a transaction for it at once, together with every delivery already waiting
-///    (group commit, as PostgreSQL does for WAL flushes: a lone delivery never waits for a
-///    timer).
+///    lane opens a transaction for it at once, together with every delivery already waiting,
+///    when no other lane has a transaction open (group commit, as PostgreSQL does for WAL
+///    flushes: a lone delivery never waits for a timer). While another lane's transaction
+///    is open, the idle lane keeps collecting deliveries until one of the open transactions
+///    ends, its batch is full or the [maximum linger](BatchedLayer::with_max_linger) has
+///    passed (Nagle's rule: a transaction started for the one delivery that just arrived
+///    pays a `BEGIN`, a claim and a commit for it alone, while the database is busy with
+///    another commit anyway; fed by a broker, batches held 4 or 5 deliveries before).
 /// 2. The group's claims decide it at once (one multi-row statement on PostgreSQL; on
 ///    MySQL, which has no `RETURNING`, one when every key is new, else a statement per key):
 ///    new or `FAILURE` keys are claimed;
 ///    duplicates, payload conflicts, fenced and in-flight keys are answered at once (what
-///    decided them is committed). Two copies of one key never share a batch: the second
-///    goes to the lane's next batch, where it finds what the first one's commit left.
+///    decided them is committed). Two copies of one key are never claimed in two open
+///    transactions, the same or two lanes': a copy of a key an open batch holds waits behind
+///    that batch. When the batch commits the key, the copy is answered from the commit as
+///    its claim would find the key's row (a duplicate, or a payload conflict), without a
+///    statement; otherwise (a rollback, the first copy sent to run alone) it joins the next
+///    batch of a lane, where its claim finds the key as the batch left it. A producer's
+///    retry lands right behind its original: claimed in another lane's transaction, it
+///    would make that whole batch wait on the original's row lock, or deadlock with it.
 /// 3. The handlers of the claimed deliveries run inside the transaction. Deliveries that
 ///    arrive meanwhile, while no other lane is idle to take them, join the open transaction
 ///    (another claim) while the batch is below its
@@ -299,8 +311,10 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
     }
 
     /// How long after its `BEGIN` a batch still takes in deliveries that arrive while its
-    /// handlers run. It never waits for them: a batch whose handlers are done commits at
-    /// once. Longer lingers make bigger batches under a steady stream, and make the first
+    /// handlers run, and how long an idle lane keeps collecting deliveries while another
+    /// lane's transaction is open (it starts sooner when one ends or its batch is full). An
+    /// open batch never waits for joiners: one whose handlers are done commits at once.
+    /// Longer lingers make bigger batches under a steady stream, and make the first
     /// deliveries of a batch wait longer for their commit (and their ack). Default
     /// [`DEFAULT_MAX_LINGER`].
     pub fn with_max_linger(mut self, max_linger: Duration) -> Self {
