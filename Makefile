@@ -84,9 +84,15 @@ fuzz:
 	  -p oncely-rocketmq --all-features --lib -- prop_ --test-threads 2 2>&1 | \
 	  sed -n 's/^test \(.*prop_[a-z0-9_]*\) \.\.\. ok$$/$(FUZZ_CASES) inputs: \1 ok/p; /FAILED\|panicked\|minimal failing/p'
 
-## Every benchmark, each tier against the raw limit of its own store, in one run.
+## Every benchmark, each tier against the raw limit of its own store, in one run. With
+## LONG=1, then a million messages through the RabbitMQ runner's full stack, its throughput
+## and memory sampled every 10 s (`--long`; the plot in benchmarks-long.svg).
+## The `amqp` benchmark's peer, mq-bridge 1.3 (bench-peers/mq-bridge), is a workspace of its
+## own, built here first (a few minutes the first time) and named to the bench in MQ_BRIDGE_PEER.
 bench: services
-	$(CARGO) run --release -p integration-tests --bin bench -- all
+	$(CARGO) build --release --manifest-path bench-peers/mq-bridge/Cargo.toml --target-dir $(TARGET_DIR)/peers
+	MQ_BRIDGE_PEER=$(abspath $(TARGET_DIR)/peers/release/mq-bridge-peer) \
+	  $(CARGO) run --release -p integration-tests --bin bench -- all $(if $(LONG),--long)
 
 ## The fault-injection ledger run: 50,000 messages over 10,000 keys and 5 poison messages
 ## through four consumers in two processes (on RabbitMQ 3.10, then again on 4.0) while consumers are killed, Redis restarted and

@@ -1,5 +1,8 @@
 //! Run with: `make bench` (or `cargo run --release -p integration-tests --bin bench --
-//! [all|redis|postgres|mysql|amqp|rocketmq|http|prefilter]...`; every benchmark when none is named).
+//! [all|redis|postgres|mysql|amqp|rocketmq|http|prefilter]... [--long]`; every benchmark when
+//! none is named). `--long` (`make bench LONG=1`) adds, after the benchmarks named, a million
+//! messages through the RabbitMQ runner's full stack ([`long_run`]); given alone, with no
+//! benchmark named, it runs the long run alone.
 //!
 //! Measures each tier against the raw limit of its own store on this machine, in the same
 //! run, prints a table per benchmark with the ratio, and writes them to `BENCHMARKS.md` with
@@ -33,9 +36,11 @@
 //! `BENCHMARKS.md` itself and has [`chart`] draw `benchmarks.svg`.
 
 mod amqp_end_to_end;
+mod baseline;
 mod chart;
 mod cpu;
 mod http_endpoint;
+mod long_run;
 mod machine;
 mod measure;
 mod mysql_record;
@@ -44,6 +49,7 @@ mod prefilter;
 mod redis_flag;
 mod report;
 mod rocketmq_end_to_end;
+mod workload;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -58,6 +64,10 @@ struct Args {
     /// The benchmarks to run, in the order below whatever the order given; all when none.
     #[arg(value_enum)]
     benchmarks: Vec<Benchmark>,
+    /// Then a million messages through the RabbitMQ runner's full stack, sampling throughput
+    /// and memory every 10 s (benchmarks-long.svg); alone when no benchmark is named.
+    #[arg(long)]
+    long: bool,
 }
 
 /// A benchmark, as the command line names it.
@@ -125,8 +135,17 @@ async fn main() -> ExitCode {
         eprintln!("another metrics recorder is installed; the pre-filter counts will read 0");
     }
     let mut report = Report::new(machine::machine());
-    for benchmark in Benchmark::chosen(&args.benchmarks) {
+    // `--long` alone is the long run alone: its minutes are what was asked for.
+    let chosen = if args.long && args.benchmarks.is_empty() {
+        Vec::new()
+    } else {
+        Benchmark::chosen(&args.benchmarks)
+    };
+    for benchmark in chosen {
         benchmark.run(&mut report).await;
+    }
+    if args.long {
+        long_run::run(&mut report).await;
     }
     report.print_targets();
     match report.write(&Path::new(env!("CARGO_MANIFEST_DIR")).join("..")) {

@@ -13,7 +13,7 @@ use crate::report::Row;
 const RUN: Duration = Duration::from_millis(1500);
 /// Each measurement is repeated this many times, alternating with its baseline; the median
 /// is reported, which keeps one noisy run on a shared 2-core machine from deciding.
-const ROUNDS: usize = 5;
+pub(crate) const ROUNDS: usize = 5;
 
 /// The in-flight levels the tier benchmarks measure at (and the chart's x axis).
 pub(crate) const IN_FLIGHT: [usize; 4] = [1, 4, 16, 64];
@@ -83,17 +83,21 @@ pub(crate) async fn compare(
             result.push(throughput(in_flight, op).await);
         }
     }
-    let baseline = median(baselines);
-    measured
-        .iter()
-        .zip(results)
-        .map(|((what, _), result)| Row {
-            what: (*what).into(),
-            in_flight,
-            per_second: median(result),
-            baseline,
-        })
-        .collect()
+    let lowest_ratio = |result: &[f64]| {
+        let ratios = result
+            .iter()
+            .zip(&baselines)
+            .map(|(measured, baseline)| measured / baseline);
+        ratios.reduce(f64::min)
+    };
+    let rows = measured.iter().zip(results).map(|((what, _), result)| Row {
+        what: (*what).into(),
+        in_flight,
+        lowest_ratio: lowest_ratio(&result),
+        per_second: median(result),
+        baseline: median(baselines.clone()),
+    });
+    rows.collect()
 }
 
 /// [`compare`] at every level of [`IN_FLIGHT`], the rows in that order.

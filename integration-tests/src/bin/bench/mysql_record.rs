@@ -46,15 +46,15 @@ async fn claims(report: &mut Report) {
     let nothing = op((), |(), _| async {});
     let rows = compare_at_each_level(&nothing, &raw, &measured).await;
     report.add_target(Target {
-        what: "MariaDB record claims at 64 in flight",
+        what: "MariaDB record claims at 64 in flight".into(),
         ratio: Row::last_ratio(&rows, single),
-        baseline: "raw INSERT of a key",
+        baseline: "raw INSERT of a key".into(),
         at_least: 0.8,
     });
     report.add_target(Target {
-        what: "MariaDB coalesced record claims at 64 in flight",
+        what: "MariaDB coalesced record claims at 64 in flight".into(),
         ratio: Row::last_ratio(&rows, coalesced),
-        baseline: "raw INSERT of a key",
+        baseline: "raw INSERT of a key".into(),
         at_least: 2.0,
     });
     report.add(Section {
@@ -128,9 +128,9 @@ async fn transactions(report: &mut Report) {
         [Commits::Batched, Commits::BatchHandler].map(|commits| (commits.name(), commits.op(&pool)));
     let rows = compare_at_each_level(&nothing, &Commits::PerDelivery.op(&pool), &measured).await;
     report.add_target(Target {
-        what: "MariaDB batched record at 64 in flight",
+        what: "MariaDB batched record at 64 in flight".into(),
         ratio: Row::last_ratio(&rows, Commits::Batched.name()),
-        baseline: "one transaction per delivery",
+        baseline: "one transaction per delivery".into(),
         at_least: 3.0,
     });
     report.add(Section {

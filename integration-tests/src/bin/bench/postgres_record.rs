@@ -68,9 +68,9 @@ async fn claims(report: &mut Report) {
     let measured = [(Claims::Coalesced.name(), Claims::Coalesced.op(&store))];
     let rows = compare_at_each_level(&nothing, &Claims::SingleRow.op(&store), &measured).await;
     report.add_target(Target {
-        what: "PostgreSQL coalesced claims at 64 in flight",
+        what: "PostgreSQL coalesced claims at 64 in flight".into(),
         ratio: Row::last_ratio(&rows, Claims::Coalesced.name()),
-        baseline: "single-row claims",
+        baseline: "single-row claims".into(),
         at_least: 10.0,
     });
     report.add(Section {
@@ -135,15 +135,15 @@ async fn transactions(report: &mut Report) {
     let baseline = Commits::PerDelivery.op(&pool, schema.records());
     let rows = compare_at_each_level(&nothing, &baseline, &measured).await;
     report.add_target(Target {
-        what: "PostgreSQL batched record at 64 in flight",
+        what: "PostgreSQL batched record at 64 in flight".into(),
         ratio: Row::last_ratio(&rows, Commits::Batched.name()),
-        baseline: "one transaction per delivery",
+        baseline: "one transaction per delivery".into(),
         at_least: 5.0,
     });
     report.add_target(Target {
-        what: "PostgreSQL batched record, a lone delivery (1 in flight; latency ≤ 1.1×)",
+        what: "PostgreSQL batched record, a lone delivery (1 in flight; latency ≤ 1.1×)".into(),
         ratio: Row::ratio_at(&rows, Commits::Batched.name(), 1),
-        baseline: "one transaction per delivery",
+        baseline: "one transaction per delivery".into(),
         at_least: 1.0 / 1.1,
     });
     report.add(Section {

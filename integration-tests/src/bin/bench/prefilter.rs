@@ -110,6 +110,7 @@ pub(crate) async fn run(report: &mut Report) {
                     in_flight: IN_FLIGHT,
                     per_second: measured.per_second,
                     baseline: without,
+                    lowest_ratio: None,
                 }),
             }
         }

@@ -148,9 +148,9 @@ pub(crate) async fn run(report: &mut Report) {
     let measured = Operation::MEASURED.map(|operation| (operation.name(), operation.op(&connection)));
     let rows = compare_at_each_level(&flush, &raw_set, &measured).await;
     report.add_target(Target {
-        what: "Redis flag claims at 64 in flight",
+        what: "Redis flag claims at 64 in flight".into(),
         ratio: Row::last_ratio(&rows, Operation::Claim.name()),
-        baseline: "raw SET NX PX",
+        baseline: "raw SET NX PX".into(),
         at_least: 0.80,
     });
     report.add(Section {

@@ -16,6 +16,9 @@ pub(crate) struct Row {
     pub(crate) in_flight: usize,
     pub(crate) per_second: f64,
     pub(crate) baseline: f64,
+    /// The lowest ratio of any one round (its measurement against the baseline's taken beside
+    /// it), when the row's medians come from rounds taking turns and a target bounds it.
+    pub(crate) lowest_ratio: Option<f64>,
 }
 
 impl Row {
@@ -99,10 +102,10 @@ impl fmt::Display for Section {
 /// A ratio an issue set a target for, and whether this run met it.
 pub(crate) struct Target {
     /// What was measured, e.g. "Redis flag claims at 64 in flight".
-    pub(crate) what: &'static str,
+    pub(crate) what: String,
     pub(crate) ratio: f64,
     /// What the ratio is to, e.g. "raw SET NX PX".
-    pub(crate) baseline: &'static str,
+    pub(crate) baseline: String,
     /// The lowest ratio that meets the target.
     pub(crate) at_least: f64,
 }
