@@ -20,7 +20,8 @@
 //! `maybe_seen`).
 //!
 //! The batched record counts its transactions: `oncely_batches_total` (label `ending`:
-//! `committed`, `rolled_back`) and `oncely_batch_deliveries_total`, the deliveries whose
+//! `committed`, `rolled_back`, or `empty` when every claim of a batch found its answer and no
+//! handler ran) and `oncely_batch_deliveries_total`, the deliveries whose
 //! effects committed batches carried (copies answered by a batch's claim without their
 //! handler running are not counted). Deliveries per transaction, the payoff of batching, is
 //! their quotient over the committed batches.
@@ -135,15 +136,11 @@ mod recorded {
             .increment(1);
     }
 
-    /// Counts one transaction of the batched record: `committed` with the effects of
-    /// `deliveries` handlers, or rolled back.
-    pub(crate) fn count_batch(deliveries: usize, committed: bool) {
-        let ending = match committed {
-            true => "committed",
-            false => "rolled_back",
-        };
+    /// Counts one transaction of the batched record, ended as `ending` (`committed` with
+    /// the effects of `deliveries` handlers, `rolled_back`, or `empty`: no handler to run).
+    pub(crate) fn count_batch(deliveries: usize, ending: &'static str) {
         metrics::counter!("oncely_batches_total", "ending" => ending).increment(1);
-        if committed {
+        if ending == "committed" {
             metrics::counter!("oncely_batch_deliveries_total").increment(deliveries as u64);
         }
     }
@@ -179,7 +176,7 @@ mod silent {
     pub(crate) fn count_outcome(_: &Arc<str>, _: &Outcome) {}
     pub(crate) fn count_purged(_: &str, _: u64) {}
     pub(crate) fn count_retention_pass(_: &str, _: &'static str) {}
-    pub(crate) fn count_batch(_: usize, _: bool) {}
+    pub(crate) fn count_batch(_: usize, _: &'static str) {}
 
     #[cfg(feature = "prefilter")]
     pub(crate) fn count_verdict(_: &Envelope, _: &'static str) {}

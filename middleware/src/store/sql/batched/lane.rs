@@ -292,7 +292,7 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 tracing::error!("a batched record lane panicked; its batch is retried");
             }
             // Copies released by this batch's end that no collecting lane took.
-            later = self.traffic.take_released();
+            later = self.traffic.take_released(self.limits.max_batch);
         }
     }
 
@@ -325,7 +325,8 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 biased;
                 () = &mut ended => {
                     // The copies that batch released join this one.
-                    intake.extend(self.traffic.take_released());
+                    let room = self.limits.max_batch.saturating_sub(intake.len());
+                    intake.extend(self.traffic.take_released(room));
                     return;
                 }
                 joiner = receiver.recv() => match joiner {
@@ -563,7 +564,13 @@ impl<R: TransactionalRecord, W: Writer<R::Handle>> Lane<R, W> {
                 false
             }
         };
-        crate::telemetry::count_batch(ended.len(), committed);
+        let counted = match (ending, committed) {
+            // No `COMMIT` ran: every claim found its answer, or every delivery went away.
+            (Ending::Commit, true) if ended.is_empty() => "empty",
+            (_, true) => "committed",
+            (_, false) => "rolled_back",
+        };
+        crate::telemetry::count_batch(ended.len(), counted);
         let mut failures = Vec::new();
         let mut done = HashMap::new();
         for ended in ended {

@@ -22,8 +22,7 @@ use tokio::sync::Notify;
 use super::lane::{Joiner, Word};
 use crate::envelope::BusinessKey;
 use crate::fingerprint::Fingerprint;
-use crate::record::RecordStatus;
-use crate::store::sql::{FoundRecord, refused_claim};
+use crate::record::Begin;
 
 /// The keys held by the open batches of every lane of a layer, with the copies parked behind
 /// them; and how many batches are open, which an idle lane reads to decide whether to start
@@ -71,22 +70,22 @@ impl<W> Traffic<W> {
         self.ended.notified()
     }
 
-    /// A batch opens: its keys are held until the returned guard releases them.
+    /// A batch begins: the keys it takes are held until the returned guard releases them.
+    /// It counts as open from its first key on: one that took none opens no transaction.
     pub(super) fn open_batch(&self) -> Holding<'_, W> {
-        self.open.fetch_add(1, Ordering::AcqRel);
         Holding {
             traffic: self,
             keys: Vec::new(),
+            opened: false,
         }
     }
 
-    /// Takes the copies released by batches that ended.
-    pub(super) fn take_released(&self) -> Vec<Joiner<W>> {
-        let mut released = self
-            .released
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        std::mem::take(&mut *released)
+    /// Takes up to `room` of the copies released by batches that ended (the rest wait for
+    /// the next batch: a batch never grows past its maximum).
+    pub(super) fn take_released(&self, room: usize) -> Vec<Joiner<W>> {
+        let mut released = (self.released.lock()).unwrap_or_else(std::sync::PoisonError::into_inner);
+        let taken = released.len().min(room);
+        released.drain(..taken).collect()
     }
 
     /// The map, whatever a panicking holder left in it: every change to it is one insert or
@@ -104,6 +103,8 @@ impl<W> Traffic<W> {
 pub(super) struct Holding<'a, W> {
     traffic: &'a Traffic<W>,
     keys: Vec<BusinessKey>,
+    /// Counted in [`Traffic::open_batches`]: it took a key.
+    opened: bool,
 }
 
 impl<W> Holding<'_, W> {
@@ -131,6 +132,10 @@ impl<W> Holding<'_, W> {
             }
         }
         drop(held);
+        if !self.opened && !self.keys.is_empty() {
+            self.opened = true;
+            self.traffic.open.fetch_add(1, Ordering::AcqRel);
+        }
         fresh.sort_by(|a, b| a.request.key.cmp(&b.request.key));
         fresh
     }
@@ -164,41 +169,40 @@ impl<W> Drop for Holding<'_, W> {
         // Released already, or the lane panicked: its parked copies are dropped, outside the
         // map's lock (dropping a joiner wakes its delivery).
         drop(self.unhold());
-        self.traffic.open.fetch_sub(1, Ordering::AcqRel);
-        self.traffic.ends.fetch_add(1, Ordering::AcqRel);
-        self.traffic.ended.notify_waiters();
+        if self.opened {
+            self.traffic.open.fetch_sub(1, Ordering::AcqRel);
+            self.traffic.ends.fetch_add(1, Ordering::AcqRel);
+            self.traffic.ended.notify_waiters();
+        }
     }
 }
 
 /// Answers `copy` from what its key's batch committed, `done` (each key claimed and
-/// committed, with the fingerprint it was recorded with), as a claim of it would find
-/// the key's row, without the claim: a copy right behind its original costs no
-/// statement. Hands it back when its key is not in `done` (the batch rolled back, or the
-/// first copy ran elsewhere), for a claim in another batch.
+/// committed, with the fingerprint its claim carried), without a statement: a copy right
+/// behind its original, carrying the same payload's fingerprint (or none checked), is a
+/// duplicate whatever the key's row holds. Hands it back otherwise — its key not in `done`
+/// (the batch rolled back, the first copy ran elsewhere), or another payload, which its
+/// claim judges against the row (a row taken over keeps the fingerprint it was first
+/// recorded with, which may differ from the claim's when either is unchecked).
 pub(super) fn answer_from_commit<W>(
     copy: Joiner<W>,
     done: &HashMap<BusinessKey, Fingerprint>,
     in_flight_delay: Duration,
 ) -> Option<Joiner<W>> {
-    let Some(recorded) = done.get(&copy.request.key) else {
-        return Some(copy);
-    };
-    // The row the commit left: the transactional mode claims as `SUCCESS`.
-    let found = FoundRecord {
-        status: RecordStatus::Success,
-        fingerprint: *recorded,
-        leased: false,
-        fencing_token: None,
-    };
     let request = &copy.request;
-    let refused = refused_claim(&found, request.fingerprint, request.fencing_token);
-    let answer = refused.map(|begin| begin.into_attempt(&request.key, request.fingerprint, in_flight_delay));
-    match answer {
-        Some(Err(outcome)) => {
+    let same_payload = (done.get(&request.key)).is_some_and(|claimed| {
+        request.fingerprint == *claimed || request.fingerprint == Fingerprint::UNCHECKED
+    });
+    if !same_payload {
+        return Some(copy);
+    }
+    // The transactional mode's rows are `SUCCESS` once committed: the one reading of a
+    // claim that finds one.
+    match Begin::Done.into_attempt(&request.key, request.fingerprint, in_flight_delay) {
+        Err(outcome) => {
             let _ = copy.reply.send(Word::Answer(outcome));
             None
         }
-        // A `SUCCESS` row is never taken over; should that change, the claim decides.
-        Some(Ok(_)) | None => Some(copy),
+        Ok(_) => Some(copy),
     }
 }
