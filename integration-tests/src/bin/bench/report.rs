@@ -181,8 +181,8 @@ impl fmt::Display for Report {
             "# oncely benchmarks\n\n\
              Written by `make bench`; every figure below comes from one run on the machine described, \
              and every ratio compares two figures measured in that same run, taking turns (five \
-             rounds each for the Redis and PostgreSQL tiers and end to end, medians; one run \
-             each for the pre-filter), so that the machine's own noise hits both sides. Client and \
+             rounds each for the Redis and PostgreSQL tiers, RocketMQ and HTTP, three for \
+             RabbitMQ end to end, medians; one run each for the pre-filter and the long run), so that the machine's own noise hits both sides. Client and \
              servers share the machine's cores: these are ratios to the raw limit of each store \
              here, not absolute capacities.\n\n"
         )?;

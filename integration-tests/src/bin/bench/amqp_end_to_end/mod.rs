@@ -41,11 +41,12 @@ use crate::workload::{self, Copies, Message};
 /// Messages per measurement of fresh orders, published before the clock starts.
 const MESSAGES: usize = 10_000;
 /// Each consumer is measured this many times, in turn with the others; the median is kept.
-/// `ONCELY_BENCH_ROUNDS` overrides it for a quick look (the report is then noisier).
+/// Three, not five as elsewhere: 32 drains a round (about 4.5 minutes on the 2-core
+/// machine). `ONCELY_BENCH_ROUNDS` overrides it (one for a quick look).
 fn round_count() -> usize {
     (std::env::var("ONCELY_BENCH_ROUNDS").ok())
         .and_then(|rounds| rounds.parse().ok())
-        .unwrap_or(5)
+        .unwrap_or(3)
 }
 /// The prefetch (and in-flight limit) every row and its baseline run at: the one users of a
 /// raw consumer often pick, and the runner's default.
