@@ -158,10 +158,10 @@ impl<R: TransactionalRecord> BatchedLayer<R> {
 ///    duplicates, payload conflicts, fenced and in-flight keys are answered at once (what
 ///    decided them is committed). Two copies of one key are never claimed in two open
 ///    transactions, the same or two lanes': a copy of a key an open batch holds waits behind
-///    that batch. When the batch commits the key, the copy is answered from the commit as
-///    its claim would find the key's row (a duplicate, or a payload conflict), without a
-///    statement; otherwise (a rollback, the first copy sent to run alone) it joins the next
-///    batch of a lane, where its claim finds the key as the batch left it. A producer's
+///    that batch. When the batch commits the key, a copy of the same payload is answered a
+///    duplicate from the commit, without a statement; any other (another payload, a
+///    rollback, the first copy sent to run alone) joins a later batch, where its claim finds
+///    the key as the batch left it. A producer's
 ///    retry lands right behind its original: claimed in another lane's transaction, it
 ///    would make that whole batch wait on the original's row lock, or deadlock with it.
 /// 3. The handlers of the claimed deliveries run inside the transaction. Deliveries that

@@ -7,14 +7,15 @@
 //! holds, the two deadlock until the server fails one (PostgreSQL after `deadlock_timeout`,
 //! 1 s by default). Producer retries and re-sends come back right behind their originals, so
 //! this is the common case of a duplicate, not a rare one. A copy of a held key is parked
-//! behind the batch that holds it instead, and joins that lane's next batch once the first
-//! copy's batch has ended, where its claim finds what the commit left (a duplicate, or the
-//! key free again after a rollback) without waiting on anyone.
+//! behind the batch that holds it instead. When that batch commits the key, a copy of the
+//! same payload is answered duplicate from the commit ([`answer_from_commit`]), without a
+//! statement; any other copy (another payload, a rollback, the first copy sent to run alone)
+//! joins a later batch, where its claim finds the key as the batch left it, without waiting
+//! on anyone.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-
 use std::time::Duration;
 
 use tokio::sync::Notify;
