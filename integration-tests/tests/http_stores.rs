@@ -306,11 +306,16 @@ struct Round {
     clean: bool,
 }
 
-/// The batched record's reports of a batch that lost a claim to another lane's (the
-/// server's verdict on a deadlock or a lock wait), logged since `logs` began.
+/// The batched record's reports of a batch that lost a claim, or the withdrawal of its gone
+/// deliveries' claims, to another lane's (the server's verdict on a deadlock or a lock wait),
+/// logged since `logs` began.
 fn claims_lost(logs: &CapturedLogs) -> Vec<String> {
     let mut lost = logs.lines("DEBUG", "a batch lost its joiners' claims to another transaction");
     lost.extend(logs.lines("DEBUG", "a batch lost its claim to another transaction"));
+    lost.extend(logs.lines(
+        "DEBUG",
+        "a batch lost its withdrawal of deliveries gone to another transaction",
+    ));
     lost
 }
 
