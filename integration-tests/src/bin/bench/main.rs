@@ -18,13 +18,14 @@
 //!   claims next to the raw `INSERT` they are made of, and the transactional record per
 //!   delivery next to batched;
 //! - `amqp` ([`amqp_end_to_end`]): end-to-end messages per second through the RabbitMQ
-//!   runner with no tiers, with the Redis flag, and with the full stack (the record per
-//!   delivery, batched, batched with a batch handler; on PostgreSQL, then on MariaDB; on
-//!   PostgreSQL also batched with the handler's row deferred to the commit), next to a raw
-//!   lapin consumer;
+//!   runner with the full stack (the record per delivery, batched, batched with a batch
+//!   handler; on PostgreSQL and on MariaDB) next to an at-least-once lapin consumer writing the
+//!   same row, at the same prefetch (64 and the runner's default); the runner alone and with
+//!   the Redis flag next to a consumer that only acks; duplicates near their original against
+//!   far ones; and mq-bridge 1.3's deduplication route on the same workload;
 //! - `rocketmq` ([`rocketmq_end_to_end`]): end-to-end messages per second through RocketMQ's
-//!   concurrent listener with the full stack, the record per message and batched, next to a
-//!   raw listener;
+//!   concurrent listener with the full stack, next to an at-least-once listener writing the
+//!   same row;
 //! - `http` ([`http_endpoint`]): requests per second of an order endpoint behind
 //!   oncely-http's layer (flag + transactional record + stored response) next to the same
 //!   endpoint without it;

@@ -306,8 +306,8 @@ impl Services {
     }
 }
 
-/// Every listener against the raw one, each the median of [`ROUNDS`] taking turns; adds the
-/// table, the CPU per message, the batched full stack's target and what that target leaves
+/// Every listener against the at-least-once one, each the median of [`ROUNDS`] taking turns;
+/// adds the table, the CPU per message, the full stack's three targets and what each leaves
 /// a message of the machine's CPU to `report`.
 pub(crate) async fn run(report: &mut Report) {
     let mut services = Services::start().await;
