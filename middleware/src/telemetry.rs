@@ -37,17 +37,21 @@ use crate::tier::Tier;
 #[cfg(feature = "metrics")]
 #[doc(hidden)]
 pub use recorded::Probe;
+#[cfg(all(feature = "metrics", any(feature = "postgres", feature = "mysql")))]
+pub(crate) use recorded::count_batch;
 #[cfg(all(feature = "metrics", feature = "prefilter"))]
 pub(crate) use recorded::count_verdict;
 #[cfg(feature = "metrics")]
-pub(crate) use recorded::{count_batch, count_outcome, count_purged, count_retention_pass};
+pub(crate) use recorded::{count_outcome, count_purged, count_retention_pass};
 #[cfg(not(feature = "metrics"))]
 #[doc(hidden)]
 pub use silent::Probe;
+#[cfg(all(not(feature = "metrics"), any(feature = "postgres", feature = "mysql")))]
+pub(crate) use silent::count_batch;
 #[cfg(all(not(feature = "metrics"), feature = "prefilter"))]
 pub(crate) use silent::count_verdict;
 #[cfg(not(feature = "metrics"))]
-pub(crate) use silent::{count_batch, count_outcome, count_purged, count_retention_pass};
+pub(crate) use silent::{count_outcome, count_purged, count_retention_pass};
 
 #[cfg(feature = "metrics")]
 mod recorded {
@@ -138,6 +142,7 @@ mod recorded {
 
     /// Counts one transaction of the batched record, ended as `ending` (`committed` with
     /// the effects of `deliveries` handlers, `rolled_back`, or `empty`: no handler to run).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn count_batch(deliveries: usize, ending: &'static str) {
         metrics::counter!("oncely_batches_total", "ending" => ending).increment(1);
         if ending == "committed" {
@@ -176,6 +181,7 @@ mod silent {
     pub(crate) fn count_outcome(_: &Arc<str>, _: &Outcome) {}
     pub(crate) fn count_purged(_: &str, _: u64) {}
     pub(crate) fn count_retention_pass(_: &str, _: &'static str) {}
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn count_batch(_: usize, _: &'static str) {}
 
     #[cfg(feature = "prefilter")]
