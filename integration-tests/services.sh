@@ -8,7 +8,8 @@
 #
 # Usage: integration-tests/services.sh [SERVICE...]
 #        integration-tests/services.sh rabbitmqctl4 ARGS...   (rabbitmqctl for RabbitMQ 4.0)
-#   services: redis postgres mariadb rabbitmq rabbitmq4 rocketmq; default: all six. RocketMQ's first
+#   services: redis postgres mariadb rabbitmq rabbitmq4 rocketmq tls; default: all seven
+#   (tls: a throwaway CA and TLS listeners beside the plain ones, see tls.sh). RocketMQ's first
 #   install builds its servers from source (about 25 min on 2 cores); later runs reuse the
 #   build. RabbitMQ 4.0's first install makes a Debian 13 root (about 2 min, see below).
 # Addresses come from the same variables the tests read:
@@ -318,9 +319,12 @@ TOML
   log "rocketmq: up at $host:$port (broker 127.0.0.1:10911; logs and store in $run)"
 }
 
+# shellcheck source=integration-tests/tls.sh
+source "$(dirname "${BASH_SOURCE[0]}")/tls.sh"
+
 if [[ ${1:-} == rabbitmqctl4 ]]; then shift; rabbitmqctl4 "$@"; exit; fi
 services=("$@")
-[[ ${#services[@]} -gt 0 ]] || services=(redis postgres mariadb rabbitmq rabbitmq4 rocketmq)
+[[ ${#services[@]} -gt 0 ]] || services=(redis postgres mariadb rabbitmq rabbitmq4 rocketmq tls)
 for service in "${services[@]}"; do
   case $service in
     redis) ensure_redis ;;
@@ -329,6 +333,7 @@ for service in "${services[@]}"; do
     rabbitmq) ensure_rabbitmq ;;
     rabbitmq4) ensure_rabbitmq4 ;;
     rocketmq) ensure_rocketmq ;;
+    tls) ensure_tls ;;
     *) die "unknown service $service" ;;
   esac
 done

@@ -50,6 +50,11 @@ pub(crate) enum CliError {
         /// The name server's address.
         namesrv: String,
     },
+    /// The TLS settings (`--ca-cert`, `--client-cert`, `--client-key`) could not be used: a
+    /// file missing or not PEM. A certificate a server refuses, or one of the server's this
+    /// tool refuses, is the service's error ([`CliError::Service`]).
+    #[error("TLS settings")]
+    Tls(#[from] oncely::tls::TlsError),
     /// A schema or table name is not a plain SQL identifier.
     #[error("invalid --schema or --table")]
     Config(#[from] oncely::ConfigError),
@@ -85,7 +90,7 @@ impl CliError {
             | CliError::Refused(_)
             | CliError::Incomplete(_)
             | CliError::Io(_) => 1,
-            CliError::Config(_) => 2,
+            CliError::Config(_) | CliError::Tls(_) => 2,
             CliError::NotFound(_) => 3,
             CliError::Busy => 4,
             CliError::Declined => 5,

@@ -124,6 +124,19 @@ pub(crate) struct Globals {
         default_value = "127.0.0.1:9876"
     )]
     rocketmq_namesrv: String,
+    /// The PEM file of the certificate authorities to trust on TLS connections (`amqps://`,
+    /// `rediss://`, `sslmode=require`, `ssl-mode=VERIFY_IDENTITY`), instead of the
+    /// platform's (RabbitMQ: beside them). Given, it makes PostgreSQL and MySQL URLs that name
+    /// no mode require TLS.
+    #[arg(long, global = true, env = oncely::tls::CA_CERT_ENV)]
+    ca_cert: Option<std::path::PathBuf>,
+    /// The PEM file of the client certificate for servers that ask for one (mutual TLS);
+    /// needs --client-key.
+    #[arg(long, global = true, env = oncely::tls::CLIENT_CERT_ENV, requires = "client_key")]
+    client_cert: Option<std::path::PathBuf>,
+    /// The PEM file of the client certificate's unencrypted private key; needs --client-cert.
+    #[arg(long, global = true, env = oncely::tls::CLIENT_KEY_ENV, requires = "client_cert")]
+    client_key: Option<std::path::PathBuf>,
     /// How long connecting, and each call, may take (`500ms`, `5s`, `1m`).
     #[arg(long, global = true, default_value = "5s", value_parser = humantime::parse_duration)]
     timeout: Duration,
@@ -201,6 +214,18 @@ pub(crate) struct InspectArgs {
 }
 
 impl Globals {
+    /// The TLS settings of `--ca-cert`, `--client-cert` and `--client-key`, their files
+    /// read: a missing one is the settings' fault (exit 2), whichever service it is for.
+    pub(crate) fn tls(&self) -> Result<oncely::tls::TlsSettings, CliError> {
+        let settings = oncely::tls::TlsSettings::from_paths(
+            self.ca_cert.clone(),
+            self.client_cert.clone(),
+            self.client_key.clone(),
+        )?;
+        settings.check()?;
+        Ok(settings)
+    }
+
     /// The Redis to ask, if any was named (`--redis-url`, `REDIS_URL`, `--redis-prefix`), or
     /// `asked` says so anyway: its URL, by default Redis on this machine.
     pub(crate) fn redis_url(&self, asked: bool) -> Option<&str> {

@@ -6,9 +6,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use deadpool_postgres::tokio_postgres::{Config, NoTls};
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use oncely::mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use deadpool_postgres::{ManagerConfig, Pool, RecyclingMethod};
+use oncely::mysql::sqlx::mysql::MySqlPoolOptions;
 use oncely::mysql::sqlx::{self, Executor, MySqlConnection, MySqlPool, Row};
 use oncely::postgres::Table;
 use oncely::record::{
@@ -73,9 +72,8 @@ impl Records {
         let schema = globals.schema.as_deref().unwrap_or(DEFAULT_PG_SCHEMA);
         let table = Table::new(schema, &globals.table)?;
         let remote = Remote::new("PostgreSQL", &globals.database_url, globals.timeout);
-        let mut config: Config = globals
-            .database_url
-            .parse()
+        let tls = globals.tls()?;
+        let mut config = oncely::tls::postgres::config(&globals.database_url, &tls)
             .map_err(|error| remote.failed(error))?;
         config.connect_timeout(remote.backstop());
         // The server gives up when the tool does: a statement the tool stopped waiting for
@@ -83,13 +81,13 @@ impl Records {
         // on running, or commit after the tool reported a timeout.
         let millis = globals.timeout.as_millis();
         config.options(format!("-c statement_timeout={millis} -c lock_timeout={millis}"));
-        let manager = Manager::from_config(
+        let manager = oncely::tls::postgres::manager(
             config,
-            NoTls,
+            &tls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
-        );
+        )?;
         let pool = Pool::builder(manager)
             .max_size(2)
             .build()
@@ -106,7 +104,8 @@ impl Records {
     fn mysql(globals: &Globals) -> Result<Self, CliError> {
         let table = oncely::mysql::Table::new(globals.table.as_str())?;
         let remote = Remote::new("MySQL", &globals.mysql_url, globals.timeout);
-        let options: MySqlConnectOptions = globals.mysql_url.parse().map_err(|error| remote.failed(error))?;
+        let options = oncely::tls::mysql::options(&globals.mysql_url, &globals.tls()?)
+            .map_err(|error| remote.failed(error))?;
         let database = match &globals.schema {
             Some(schema) => oncely::mysql::Ident::new(schema.as_str())?.as_str().to_owned(),
             None => options.get_database().map(str::to_owned).ok_or_else(|| {

@@ -25,7 +25,10 @@ impl RedisStores {
     /// Connects to `url` within `--timeout`; every command is bounded by it too.
     pub(crate) async fn connect(globals: &Globals, url: &str) -> Result<Self, CliError> {
         let remote = Remote::new("Redis", url, globals.timeout);
-        let client = oncely::redis::Client::open(url).map_err(|error| remote.failed(error))?;
+        let client = oncely::tls::redis::client(url, &globals.tls()?).map_err(|error| match error {
+            oncely::tls::redis::RedisTlsError::Settings(settings) => CliError::Tls(settings),
+            other => remote.failed(other),
+        })?;
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(remote.backstop()))
             .set_response_timeout(Some(remote.backstop()));

@@ -32,7 +32,20 @@ pub fn amqp_addr() -> String {
 
 /// A connection to `AMQP_ADDR`.
 pub async fn connect() -> Result<Connection, lapin::Error> {
-    Connection::connect(&amqp_addr(), ConnectionProperties::default()).await
+    connect_to(&amqp_addr(), ConnectionProperties::default()).await
+}
+
+/// A connection to `address`: over TLS for `amqps://`, trusting the test CA and presenting
+/// the client certificate ([`crate::tls::settings`]).
+pub async fn connect_to(address: &str, properties: ConnectionProperties) -> Result<Connection, lapin::Error> {
+    match address.starts_with("amqps://") {
+        true => {
+            let config = oncely_amqp::tls::config(&crate::tls::settings()).expect("the test certificates");
+            let runtime = lapin::runtime::default_runtime()?;
+            Connection::connect_with_config(address, properties, config, runtime).await
+        }
+        false => Connection::connect(address, properties).await,
+    }
 }
 
 /// The RabbitMQ versions the tests run on.
@@ -42,6 +55,9 @@ pub enum Broker {
     Rabbit3,
     /// RabbitMQ 4.0 (Debian 13's) at `AMQP_ADDR_4`, default `amqp://guest:guest@127.0.0.1:5673/%2f`.
     Rabbit4,
+    /// RabbitMQ 3.10 over TLS, with a client certificate: `AMQP_TLS_ADDR`, default
+    /// `amqps://guest:guest@127.0.0.1:5671/%2f` (`services.sh tls`).
+    Rabbit3Tls,
 }
 
 impl Broker {
@@ -51,6 +67,7 @@ impl Broker {
             Broker::Rabbit3 => amqp_addr(),
             Broker::Rabbit4 => std::env::var("AMQP_ADDR_4")
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5673/%2f".into()),
+            Broker::Rabbit3Tls => crate::tls::amqp_tls_addr(),
         }
     }
 
@@ -75,7 +92,7 @@ impl Broker {
 
     /// A connection to it.
     pub async fn connect(self) -> Connection {
-        Connection::connect(&self.address(), ConnectionProperties::default())
+        connect_to(&self.address(), ConnectionProperties::default())
             .await
             .unwrap_or_else(|error| {
                 panic!("{self:?} unreachable ({error}); run integration-tests/services.sh")
@@ -101,7 +118,7 @@ impl Broker {
 
     fn rabbitmqctl_command(self) -> Command {
         match self {
-            Broker::Rabbit3 => Command::new("rabbitmqctl"),
+            Broker::Rabbit3 | Broker::Rabbit3Tls => Command::new("rabbitmqctl"),
             Broker::Rabbit4 => {
                 let mut command = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/services.sh"));
                 command.arg("rabbitmqctl4");
@@ -199,7 +216,7 @@ where
             let connect = || {
                 let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
                 let address = address.clone();
-                async move { Connection::connect(&address, properties).await }
+                async move { connect_to(&address, properties).await }
             };
             runner.run_with_reconnect(connect, &shutdown).await
         })

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::options::BasicGetOptions;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, ConnectionProperties};
 use oncely::report::RunReport;
 use oncely::testing::adapter::{AdapterHarness, DeadLetterCopy, Features, Interruption, Interrupts};
 use oncely::{BoxError, Envelope, KeyExtractor, Outcome, Route};
@@ -160,7 +160,7 @@ impl AdapterHarness for AmqpHarness {
                 let token = CancellationToken::new();
                 *shutdown.lock().expect("not poisoned") = token.clone();
                 let properties = ConnectionProperties::default().with_connection_name(name.clone().into());
-                let Ok(connection) = Connection::connect(&self.broker.address(), properties).await else {
+                let Ok(connection) = crate::amqp::connect_to(&self.broker.address(), properties).await else {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 };

@@ -17,6 +17,7 @@ pub mod postgres;
 pub mod recorder;
 pub mod redis_server;
 pub mod rocketmq;
+pub mod tls;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,19 +31,29 @@ pub fn redis_url() -> String {
 }
 
 /// A reconnecting connection to `url`, with timeouts short enough that a test against a
-/// stopped server fails fast instead of hanging.
+/// stopped server fails fast instead of hanging; over TLS for `rediss://`, trusting the test
+/// CA and presenting the client certificate.
 pub async fn redis_connection(url: &str) -> ConnectionManager {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_response_timeout(Some(Duration::from_secs(2)))
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_millis(200));
-    let client = redis::Client::open(url).expect("a valid Redis URL");
+    let client = redis_client(url);
     ConnectionManager::new_with_config(client, config)
         .await
         .unwrap_or_else(|error| {
             panic!("Redis at {url} unreachable ({error}); run integration-tests/services.sh")
         })
+}
+
+/// A client of `url`: over TLS for `rediss://`, trusting the test CA and presenting the
+/// client certificate.
+pub fn redis_client(url: &str) -> redis::Client {
+    match url.starts_with("rediss://") {
+        true => oncely::tls::redis::client(url, &tls::settings()).expect("a valid Redis URL"),
+        false => redis::Client::open(url).expect("a valid Redis URL"),
+    }
 }
 
 pub use oncely::testing::unique;

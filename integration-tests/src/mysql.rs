@@ -11,8 +11,14 @@ use tower::Layer;
 use crate::commit_thief::{CommitAnswerThief, CommitOnTheWire};
 use crate::postgres::{BoxedStack, RecordMode, boxed};
 
+/// `MYSQL_URL`'s options: over TLS, trusting the test CA, when it names an `ssl-mode` (a
+/// chaos run on TLS).
 fn options() -> MySqlConnectOptions {
-    mysql_url().parse().expect("a valid MYSQL_URL")
+    let url = mysql_url();
+    match url.contains("ssl-mode=") {
+        true => oncely::tls::mysql::options(&url, &crate::tls::settings()).expect("a valid MYSQL_URL"),
+        false => url.parse().expect("a valid MYSQL_URL"),
+    }
 }
 
 /// The MySQL or MariaDB the tests use: `MYSQL_URL`, or `mysql://root@127.0.0.1:3306/test`.

@@ -29,15 +29,40 @@ pub fn schema_pool(schema: &str, size: usize) -> Pool {
     pool_on(&format!("{url}{separator}options=-csearch_path%3D{schema}"), size)
 }
 
-/// A pool of up to `size` connections to `url`.
+/// A pool of up to `size` connections to `url`: over TLS, trusting the test CA, when its
+/// `sslmode` asks for it (`require`, `verify-ca`, `verify-full`; a chaos run on TLS).
 pub fn pool_on(url: &str, size: usize) -> Pool {
-    pool_with(url.parse().expect("a valid DATABASE_URL"), size)
+    match ["sslmode=require", "sslmode=verify"]
+        .iter()
+        .any(|mode| url.contains(mode))
+    {
+        true => {
+            let settings = crate::tls::settings();
+            let config = oncely::tls::postgres::config(url, &settings).expect("a valid DATABASE_URL");
+            let connector = oncely::tls::postgres::connector(&settings).expect("the test certificates");
+            pool_with(config, size, connector)
+        }
+        false => pool_with(url.parse().expect("a valid DATABASE_URL"), size, NoTls),
+    }
 }
 
-fn pool_with(config: Config, size: usize) -> Pool {
+/// A pool of up to `size` connections of `config`, through `tls`.
+pub fn pool_with<T>(config: Config, size: usize, tls: T) -> Pool
+where
+    T: deadpool_postgres::tokio_postgres::tls::MakeTlsConnect<deadpool_postgres::tokio_postgres::Socket>
+        + Clone
+        + Sync
+        + Send
+        + 'static,
+    T::Stream: Sync + Send,
+    T::TlsConnect: Sync + Send,
+    <T::TlsConnect as deadpool_postgres::tokio_postgres::tls::TlsConnect<
+        deadpool_postgres::tokio_postgres::Socket,
+    >>::Future: Send,
+{
     let manager = Manager::from_config(
         config,
-        NoTls,
+        tls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -275,6 +300,6 @@ impl CommitAnswerThief {
         if let Some(database) = server.get_dbname() {
             config.dbname(database);
         }
-        pool_with(config, size)
+        pool_with(config, size, NoTls)
     }
 }

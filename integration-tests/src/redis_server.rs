@@ -19,21 +19,34 @@ fn free_port() -> u16 {
 pub struct ScratchRedis {
     port: u16,
     child: Child,
+    tls: bool,
 }
 
 impl ScratchRedis {
     /// Starts a server on a free port and waits until it answers.
     pub fn start() -> Self {
+        Self::start_with(false, &[])
+    }
+
+    /// Starts a server that speaks TLS only, with the test CA's certificate, and asks for a
+    /// client certificate (`services.sh tls` makes them).
+    pub fn start_tls() -> Self {
+        Self::start_with(true, &[])
+    }
+
+    fn start_with(tls: bool, extra: &[&str]) -> Self {
         let port = free_port();
         ScratchRedis {
             port,
-            child: spawn(port, &[]),
+            child: spawn(port, tls, extra),
+            tls,
         }
     }
 
-    /// `redis://127.0.0.1:PORT`.
+    /// `redis://127.0.0.1:PORT`, or `rediss://` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// Kills the server with SIGKILL, as a crash would.
@@ -45,7 +58,7 @@ impl ScratchRedis {
     /// Starts the server again on the same port, empty, and waits until it answers.
     pub fn restart(&mut self) {
         self.kill();
-        self.child = spawn(self.port, &[]);
+        self.child = spawn(self.port, self.tls, &[]);
     }
 }
 
@@ -55,18 +68,53 @@ impl Drop for ScratchRedis {
     }
 }
 
-fn spawn(port: u16, extra: &[&str]) -> Child {
+/// The arguments of a TLS-only server on `port` with the test certificates.
+fn tls_args(port: u16) -> Vec<String> {
+    let dir = crate::tls::tls_dir();
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    [
+        "--port",
+        "0",
+        "--tls-port",
+        &port.to_string(),
+        "--tls-cert-file",
+        &file("server.pem"),
+        "--tls-key-file",
+        &file("server.key"),
+        "--tls-ca-cert-file",
+        &file("ca.pem"),
+        "--tls-auth-clients",
+        "yes",
+        "--tls-cluster",
+        "yes",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// `redis-cli`'s arguments for a TLS server: the test CA and client certificate.
+fn cli_tls_args() -> Vec<String> {
+    let dir = crate::tls::tls_dir();
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    vec![
+        "--tls".into(),
+        "--cacert".into(),
+        file("ca.pem"),
+        "--cert".into(),
+        file("client.pem"),
+        "--key".into(),
+        file("client.key"),
+    ]
+}
+
+fn spawn(port: u16, tls: bool, extra: &[&str]) -> Child {
+    let listen = match tls {
+        true => tls_args(port),
+        false => vec!["--port".into(), port.to_string()],
+    };
     let child = Command::new("redis-server")
-        .args([
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
+        .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(listen)
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -88,12 +136,23 @@ fn spawn(port: u16, extra: &[&str]) -> Child {
 pub struct ScratchRedisCluster {
     nodes: Vec<ScratchRedis>,
     dir: PathBuf,
+    tls: bool,
 }
 
 impl ScratchRedisCluster {
     /// Starts three cluster-enabled servers, joins them with `redis-cli --cluster create`,
     /// and waits until every node reports `cluster_state:ok`.
     pub fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// The same with every node speaking TLS only, clients and cluster bus alike, asking
+    /// for a client certificate (`services.sh tls` makes the certificates).
+    pub fn start_tls() -> Self {
+        Self::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Self {
         let dir = std::env::temp_dir().join(format!("oncely-cluster-{}", oncely::Token::random()));
         std::fs::create_dir_all(&dir).expect("a scratch directory");
         let dir_arg = dir.to_string_lossy().into_owned();
@@ -111,7 +170,8 @@ impl ScratchRedisCluster {
                 ];
                 ScratchRedis {
                     port,
-                    child: spawn(port, &extra),
+                    child: spawn(port, tls, &extra),
+                    tls,
                 }
             })
             .collect();
@@ -119,7 +179,9 @@ impl ScratchRedisCluster {
             .iter()
             .map(|node| format!("127.0.0.1:{}", node.port))
             .collect();
+        let cli_tls = if tls { cli_tls_args() } else { Vec::new() };
         let created = Command::new("redis-cli")
+            .args(&cli_tls)
             .arg("--cluster")
             .arg("create")
             .args(&addresses)
@@ -129,7 +191,7 @@ impl ScratchRedisCluster {
             .status()
             .expect("redis-cli on PATH (integration-tests/services.sh installs it)");
         assert!(created.success(), "redis-cli --cluster create failed");
-        let cluster = ScratchRedisCluster { nodes, dir };
+        let cluster = ScratchRedisCluster { nodes, dir, tls };
         let deadline = Instant::now() + Duration::from_secs(20);
         while !cluster.is_ok() {
             assert!(
@@ -148,7 +210,9 @@ impl ScratchRedisCluster {
 
     fn is_ok(&self) -> bool {
         self.nodes.iter().all(|node| {
+            let cli_tls = if self.tls { cli_tls_args() } else { Vec::new() };
             Command::new("redis-cli")
+                .args(&cli_tls)
                 .args(["-p", &node.port.to_string(), "cluster", "info"])
                 .output()
                 .is_ok_and(|output| String::from_utf8_lossy(&output.stdout).contains("cluster_state:ok"))

@@ -1,5 +1,6 @@
 //! The adapter suite (`oncely::testing::adapter`) on every broker oncely has an adapter for:
-//! RabbitMQ 3.10 and 4.0 through the AMQP runner, RocketMQ through the concurrent listener.
+//! RabbitMQ 3.10 (plain and over TLS) and 4.0 through the AMQP runner, RocketMQ through the
+//! concurrent listener.
 
 use integration_tests::amqp::Broker;
 use integration_tests::harness::{AmqpHarness, RocketMqHarness};
@@ -14,6 +15,14 @@ mod rabbitmq_3 {
 mod rabbitmq_4 {
     async fn harness() -> super::AmqpHarness {
         super::AmqpHarness::new(super::Broker::Rabbit4).await
+    }
+    oncely::adapter_suite!(harness);
+}
+
+/// The suite over `amqps://`, with a client certificate (`services.sh tls`).
+mod rabbitmq_3_tls {
+    async fn harness() -> super::AmqpHarness {
+        super::AmqpHarness::new(super::Broker::Rabbit3Tls).await
     }
     oncely::adapter_suite!(harness);
 }

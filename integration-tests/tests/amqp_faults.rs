@@ -363,7 +363,7 @@ async fn assert_returns_lose_nothing(broker: Broker, topology: &Topology, channe
         (work + suspect, ready_messages(channel, dlq).await)
     };
     let expected = match broker {
-        Broker::Rabbit3 => (2, 1),
+        Broker::Rabbit3 | Broker::Rabbit3Tls => (2, 1),
         // Past 20 deliveries, 4.x dead-letters.
         Broker::Rabbit4 => (0, 3),
     };

@@ -138,6 +138,8 @@ pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod tier;
+#[cfg(feature = "tls")]
+pub mod tls;
 mod token;
 
 pub use dead_letter::{DeadLetter, DeadLetterReason};

@@ -31,6 +31,8 @@ mod convert;
 mod error;
 mod producer;
 mod runner;
+#[cfg(feature = "tls")]
+pub mod tls;
 mod topology;
 
 pub use convert::{ATTEMPT_HEADER, SEAL_HEADER, headers_of, to_delivery};

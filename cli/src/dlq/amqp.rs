@@ -59,10 +59,14 @@ impl DeadLetterQueue {
     /// Connects and checks that `queue`'s dead-letter queue exists, declaring nothing.
     pub(super) async fn open(globals: &Globals, queue: &str) -> Result<Self, CliError> {
         let remote = Remote::new("RabbitMQ", &globals.amqp_addr, globals.timeout);
+        let tls = oncely_amqp::tls::config(&globals.tls()?)?;
+        let runtime = oncely_amqp::lapin::runtime::default_runtime().map_err(|error| remote.failed(error))?;
         let connection = remote
-            .call(Connection::connect(
+            .call(Connection::connect_with_config(
                 &globals.amqp_addr,
                 ConnectionProperties::default(),
+                tls,
+                runtime,
             ))
             .await?;
         let topology = Topology::new(queue);

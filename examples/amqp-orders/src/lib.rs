@@ -30,6 +30,19 @@ pub fn amqp_addr() -> String {
     setting("AMQP_ADDR", "amqp://guest:guest@127.0.0.1:5672/%2f")
 }
 
+/// The TLS settings of `ONCELY_CA_CERT`, `ONCELY_TLS_CERT` and `ONCELY_TLS_KEY`, for the
+/// URLs that ask for TLS (`amqps://`, `rediss://`, `sslmode=require`, `ssl-mode=…`).
+pub fn tls() -> oncely::tls::TlsSettings {
+    oncely::tls::TlsSettings::from_env().unwrap_or_else(|error| panic!("TLS settings: {error}"))
+}
+
+/// A connection to RabbitMQ at [`amqp_addr`]; over TLS for `amqps://`, with [`tls`].
+pub async fn amqp() -> Result<oncely_amqp::lapin::Connection, oncely_amqp::lapin::Error> {
+    let tls = oncely_amqp::tls::config(&tls()).unwrap_or_else(|error| panic!("TLS settings: {error}"));
+    let runtime = oncely_amqp::lapin::runtime::default_runtime()?;
+    oncely_amqp::lapin::Connection::connect_with_config(&amqp_addr(), Default::default(), tls, runtime).await
+}
+
 /// The body of order `n`: one unit of its SKU.
 pub fn order_body(n: usize) -> Vec<u8> {
     format!(

@@ -3,18 +3,20 @@
 //! The README's first consumer: credits each red packet of the `red-packets` queue to its
 //! user's wallet once — the Redis flag in front of the PostgreSQL record, whose transaction
 //! also holds the wallet update — and stops once the queue is drained, printing the report.
-//! Settings: `AMQP_ADDR`, `REDIS_URL`, `DATABASE_URL` (loopback defaults). Whole: paste it
-//! into a new crate's `main.rs` with this crate's dependencies and it runs.
+//! Settings: `AMQP_ADDR`, `REDIS_URL`, `DATABASE_URL` (loopback defaults; `amqps://`,
+//! `rediss://` and `sslmode=require` connect over TLS) and `ONCELY_CA_CERT`,
+//! `ONCELY_TLS_CERT`, `ONCELY_TLS_KEY` (the CA to trust, a client certificate). Whole: paste
+//! it into a new crate's `main.rs` with this crate's dependencies and it runs.
 
 use std::time::Duration;
 
 use oncely::flag::{FlagLayer, RedisFlagStore};
-use oncely::postgres::deadpool_postgres::tokio_postgres::NoTls;
-use oncely::postgres::deadpool_postgres::{Manager, Pool};
+use oncely::postgres::deadpool_postgres::Pool;
 use oncely::postgres::{Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::tls::TlsSettings;
 use oncely::{HandlerError, Json, KeyExtractor, Route};
-use oncely_amqp::lapin::{Connection, ConnectionProperties};
+use oncely_amqp::lapin::{Connection, ConnectionProperties, runtime};
 use oncely_amqp::{Runner, Topology};
 use tower::ServiceBuilder;
 
@@ -46,8 +48,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .init();
 
+    // TLS where a URL asks for it, trusting ONCELY_CA_CERT (else the platform's authorities).
+    let tls = TlsSettings::from_env()?;
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let pool = Pool::builder(Manager::new(url.parse()?, NoTls))
+    let config = oncely::tls::postgres::config(&url, &tls)?;
+    let pool = Pool::builder(oncely::tls::postgres::manager(config, &tls, Default::default())?)
         .max_size(16)
         .build()?;
     // The record table, and the wallets the handler credits (both idempotent).
@@ -58,7 +63,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     pool.get().await?.batch_execute(wallets).await?;
 
     let redis_url = setting("REDIS_URL", "redis://127.0.0.1:6379");
-    let redis = oncely::redis::Client::open(redis_url)?
+    let redis = oncely::tls::redis::client(redis_url, &tls)?
         .get_connection_manager()
         .await?;
     let flag = FlagLayer::new(RedisFlagStore::new(redis), Duration::from_secs(3600));
@@ -70,7 +75,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The runner declares the topology's queues when it starts (a producer that may send
     // first declares the same `Topology`), and reconnects with `amqp` when the connection drops.
     let amqp_addr = setting("AMQP_ADDR", "amqp://guest:guest@127.0.0.1:5672/%2f");
-    let amqp = || Connection::connect(&amqp_addr, ConnectionProperties::default());
+    let amqp_tls = oncely_amqp::tls::config(&tls)?;
+    let amqp = || {
+        let (address, tls) = (amqp_addr.clone(), amqp_tls.clone());
+        let properties = ConnectionProperties::default();
+        async move {
+            Connection::connect_with_config(&address, properties, tls, runtime::default_runtime()?).await
+        }
+    };
     let runner = Runner::new(route, Topology::new("red-packets")).with_drain(Duration::from_secs(2));
     let report = runner.run_with_reconnect(amqp, &Default::default()).await?;
     println!("{report}");

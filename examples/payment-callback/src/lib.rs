@@ -14,10 +14,10 @@ use axum::routing::post;
 use axum::{Json, Router};
 use oncely::FingerprintPolicy;
 use oncely::flag::{FlagLayer, RedisFlagStore};
-use oncely::postgres::deadpool_postgres::tokio_postgres::NoTls;
-use oncely::postgres::deadpool_postgres::{Manager, Pool};
+use oncely::postgres::deadpool_postgres::Pool;
 use oncely::postgres::{StatusColumns, Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
+use oncely::tls::TlsSettings;
 use oncely_http::{ClientScope, IdempotencyLayer, PgResponses};
 use tower::ServiceBuilder;
 
@@ -59,7 +59,9 @@ pub fn setting(name: &str, default: &str) -> String {
 /// credit), the refunds due (a second payment of a paid order) and the order API's rows.
 pub async fn setup() -> Result<(Pool, Table), Box<dyn std::error::Error>> {
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let pool = Pool::builder(Manager::new(url.parse()?, NoTls))
+    let tls = TlsSettings::from_env()?;
+    let config = oncely::tls::postgres::config(&url, &tls)?;
+    let pool = Pool::builder(oncely::tls::postgres::manager(config, &tls, Default::default())?)
         .max_size(32)
         .build()?;
     let records = Table::new(SCHEMA, "consumption_record")?;
@@ -89,7 +91,9 @@ pub async fn setup() -> Result<(Pool, Table), Box<dyn std::error::Error>> {
 /// under an `Idempotency-Key` (`orders.rs`, the README's example).
 pub async fn app(pool: Pool, records: Table) -> Result<Router, Box<dyn std::error::Error>> {
     let url = setting("REDIS_URL", "redis://127.0.0.1:6379");
-    let redis = oncely::redis::Client::open(url)?.get_connection_manager().await?;
+    let redis = (oncely::tls::redis::client(url, &TlsSettings::from_env()?)?)
+        .get_connection_manager()
+        .await?;
     let api = orders(pool.clone(), api_records()?, redis.clone())?;
     let flag = FlagLayer::new(
         RedisFlagStore::new(redis).with_prefix("payment-callback"),

@@ -3,8 +3,7 @@
 //! What the two binaries share: connection settings, topics, the database schema, and the
 //! client runtime and producer they both start.
 
-use deadpool_postgres::tokio_postgres::{Config, NoTls};
-use deadpool_postgres::{Manager, Pool};
+use deadpool_postgres::Pool;
 use oncely_rocketmq::OwnedClientRuntime;
 use oncely_rocketmq::rocketmq_client_rust::DefaultMQProducer;
 
@@ -42,13 +41,11 @@ pub fn namesrv_addr() -> String {
 pub fn pool() -> Pool {
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
     let separator = if url.contains('?') { '&' } else { '?' };
-    let config: Config = format!("{url}{separator}options=-csearch_path%3D{SCHEMA}")
-        .parse()
-        .expect("a valid DATABASE_URL");
-    Pool::builder(Manager::new(config, NoTls))
-        .max_size(8)
-        .build()
-        .expect("a pool")
+    let url = format!("{url}{separator}options=-csearch_path%3D{SCHEMA}");
+    let tls = oncely::tls::TlsSettings::from_env().expect("the TLS settings");
+    let config = oncely::tls::postgres::config(&url, &tls).expect("a valid DATABASE_URL");
+    let manager = oncely::tls::postgres::manager(config, &tls, Default::default()).expect("the TLS settings");
+    Pool::builder(manager).max_size(8).build().expect("a pool")
 }
 
 /// The body of the payment of order `n`: its user and amount.

@@ -33,7 +33,7 @@ use integration_tests::chaos_stack::{
 };
 use integration_tests::postgres::{RecordMode, schema_pool};
 use integration_tests::{exit_when_orphaned, redis_connection, redis_url};
-use lapin::{Connection, ConnectionProperties};
+use lapin::ConnectionProperties;
 use oncely::postgres::Table;
 use oncely::{BoxError, Envelope, Outcome, Route};
 use oncely_amqp::{Runner, SuspectGate};
@@ -97,7 +97,7 @@ where
                 let connect = || {
                     let properties =
                         ConnectionProperties::default().with_connection_name(name.clone().into());
-                    async move { Connection::connect(&amqp_addr(), properties).await }
+                    async move { integration_tests::amqp::connect_to(&amqp_addr(), properties).await }
                 };
                 runner.run_with_reconnect(connect, &shutdown).await
             })

@@ -4,7 +4,7 @@
 //! way production does: 30 % more copies, half of them producer retries (the same message
 //! id), half re-sent orders (a new id, the same order), plus two poison messages.
 
-use amqp_orders::{QUEUE, amqp_addr, order_body};
+use amqp_orders::{QUEUE, amqp, order_body};
 use oncely_amqp::{Producer, Topology};
 
 #[tokio::main]
@@ -13,7 +13,7 @@ async fn main() -> Result<(), oncely_amqp::Error> {
         .nth(1)
         .and_then(|n| n.parse().ok())
         .unwrap_or(1000);
-    let connection = oncely_amqp::lapin::Connection::connect(&amqp_addr(), Default::default()).await?;
+    let connection = amqp().await?;
     Topology::new(QUEUE)
         .declare(&connection.create_channel().await?)
         .await?;

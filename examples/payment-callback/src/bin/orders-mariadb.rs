@@ -1,7 +1,8 @@
 //! Run with: `cargo run -p payment-callback --bin orders-mariadb` (Ctrl-C to stop); it
 //! listens on `LISTEN_ADDR` (default `127.0.0.1:3001`), with its tables in the database of
 //! `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`) and API keys hashed under
-//! `ONCELY_CLIENT_SECRET`.
+//! `ONCELY_CLIENT_SECRET`; `ssl-mode=VERIFY_IDENTITY` in the URL connects over TLS, trusting
+//! the CA in `ONCELY_CA_CERT`.
 //!
 //! The README's order API on MariaDB: `POST /orders` with an `Idempotency-Key` and an
 //! `x-api-key`; the order, the record and the stored response commit together.
@@ -14,9 +15,10 @@ use payment_callback::{orders_mariadb, setting};
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = setting("MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
     // Sized for the requests in flight at once: each holds a connection for its transaction.
+    let options = oncely::tls::mysql::options(&url, &oncely::tls::TlsSettings::from_env()?)?;
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(32)
-        .connect(&url)
+        .connect_with(options)
         .await?;
     let records = Table::new("api_record")?;
     migrate(&pool, &records).await?;

@@ -98,7 +98,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = pool();
     let records = Table::new(SCHEMA, "consumption_record")?;
     prepare_database(&pool, &records).await?;
-    let redis = redis::Client::open(setting("REDIS_URL", "redis://127.0.0.1:6379"))?
+    let tls = oncely::tls::TlsSettings::from_env()?;
+    let redis = oncely::tls::redis::client(setting("REDIS_URL", "redis://127.0.0.1:6379"), &tls)?
         .get_connection_manager()
         .await?;
 

@@ -65,6 +65,12 @@ struct Args {
     /// deliveries in flight each; a killed consumer then leaves many more to redeliver.
     #[arg(long)]
     default_prefetch: bool,
+    /// RabbitMQ: every connection of the consumer processes on TLS — `amqps://`
+    /// (`AMQP_TLS_ADDR`), a Redis of the run's own on `rediss://`, PostgreSQL with
+    /// `sslmode=require` and MariaDB with `ssl-mode=VERIFY_IDENTITY` — trusting the test CA
+    /// and presenting its client certificate (`services.sh tls`).
+    #[arg(long)]
+    tls: bool,
 }
 
 /// A percentage of handler calls: at most a third, as each of three faults gets it.
@@ -94,6 +100,8 @@ pub(crate) struct Options {
     pub(crate) report_only: bool,
     /// RabbitMQ: the runners at the runner's default prefetch rather than 16.
     pub(crate) default_prefetch: bool,
+    /// RabbitMQ: the consumers' connections on TLS.
+    pub(crate) tls: bool,
 }
 
 impl Options {
@@ -119,6 +127,7 @@ impl Options {
             time_limit: Duration::from_secs(600),
             report_only: false,
             default_prefetch: false,
+            tls: false,
         }
     }
 
@@ -145,6 +154,7 @@ impl Options {
             time_limit: args.time_limit_s.map_or(defaults.time_limit, Duration::from_secs),
             report_only: args.report_only,
             default_prefetch: args.default_prefetch,
+            tls: args.tls,
         };
         options.check()?;
         Ok(options)
@@ -162,6 +172,9 @@ impl Options {
                 "--broker rocketmq takes no --default-prefetch (it sets the RabbitMQ runners' prefetch)"
                     .into(),
             ),
+            (BrokerKind::RocketMq, ..) if self.tls => {
+                Err("--tls runs with --broker amqp only (the RocketMQ servers here speak no TLS)".into())
+            }
             (BrokerKind::RocketMq, ChaosStack::Full, _) => Ok(()),
             (BrokerKind::RocketMq, _, _) => Err("--broker rocketmq runs the full stack only".into()),
             (BrokerKind::Amqp, ChaosStack::FlagOnly, ChaosStore::Mysql) => {

@@ -204,12 +204,16 @@ impl Report {
     /// The broker and the stack the run went through and, on RabbitMQ, the runners' prefetch.
     fn title(&self) -> String {
         let stack = self.stack();
-        match (self.options.broker, self.options.default_prefetch) {
+        let title = match (self.options.broker, self.options.default_prefetch) {
             (BrokerKind::Amqp, true) => {
                 format!("{stack}; the runner's default prefetch ({DEFAULT_PREFETCH})")
             }
             (BrokerKind::Amqp, false) => format!("{stack}; prefetch {CHAOS_PREFETCH}"),
             (BrokerKind::RocketMq, _) => stack,
+        };
+        match self.options.tls {
+            true => format!("{title}; every consumer connection on TLS"),
+            false => title,
         }
     }
 

@@ -51,9 +51,15 @@ impl Run {
         let id = oncely::Token::random();
         let tables = Tables::create(options.store).await;
         let broker = Broker::start(options.broker).await;
-        let redis = ScratchRedis::start();
+        let redis = match options.tls {
+            true => ScratchRedis::start_tls(),
+            false => ScratchRedis::start(),
+        };
         let name = format!("oncely-chaos-{id}");
-        let url = database_url();
+        let url = match options.tls {
+            true => integration_tests::tls::database_tls_url(),
+            false => database_url(),
+        };
         let separator = if url.contains('?') { '&' } else { '?' };
         let (binary, args, broker_environment) =
             broker.consumer(tables.name(), &format!("chaos-{id}"), options, &name);
@@ -62,7 +68,19 @@ impl Run {
             ("DATABASE_URL", format!("{url}{separator}application_name={name}")),
             (FAULTS_ENV, options.handler_faults.to_string()),
         ];
-        let environment = environment.into_iter().chain(broker_environment).collect();
+        // The consumers' other connections on TLS too; the run's own (publisher, tables,
+        // faults) stay on the plain listeners of the same servers.
+        let tls_environment = match options.tls {
+            true => vec![
+                ("AMQP_ADDR", integration_tests::tls::amqp_tls_addr()),
+                ("MYSQL_URL", integration_tests::tls::mysql_tls_url()),
+            ],
+            false => Vec::new(),
+        };
+        let environment = (environment.into_iter())
+            .chain(broker_environment)
+            .chain(tls_environment)
+            .collect();
         let consumers = Consumers::start(binary, args, environment, PROCESSES);
         Run {
             consumers,
@@ -122,7 +140,7 @@ impl Run {
     /// `FLUSHALL` on the run's Redis; false if Redis did not answer.
     async fn flush_redis(&self) -> bool {
         let flushed = async {
-            let client = redis::Client::open(self.redis.url()).ok()?;
+            let client = integration_tests::redis_client(&self.redis.url());
             let mut connection = client.get_multiplexed_async_connection().await.ok()?;
             redis::cmd("FLUSHALL")
                 .query_async::<()>(&mut connection)

@@ -2,7 +2,9 @@
 //! to stop once the queue, its retry queues and the runner's in-flight deliveries have been
 //! idle for two seconds; `RECORD_STORE=mysql` keeps the record and the tables in MySQL or
 //! MariaDB (`MYSQL_URL`) instead of PostgreSQL (`DATABASE_URL`). Either way it prints the
-//! run's report and checks the stock table.
+//! run's report and checks the stock table. A URL that asks for TLS (`amqps://`,
+//! `rediss://`, `sslmode=require`, `ssl-mode=VERIFY_IDENTITY`) connects over it, trusting
+//! the CA in `ONCELY_CA_CERT` and presenting `ONCELY_TLS_CERT`/`ONCELY_TLS_KEY`.
 //!
 //! The stock-deduction consumer: the `amqp-orders` queue through the Redis flag and the
 //! record in transactional mode. The typed handler takes the order (a body that is not one
@@ -16,10 +18,9 @@ mod postgres;
 
 use std::time::Duration;
 
-use amqp_orders::{QUEUE, amqp_addr, serve_metrics, setting};
+use amqp_orders::{QUEUE, amqp, serve_metrics, setting, tls};
 use oncely::flag::{FlagLayer, RedisFlagStore};
 use oncely::{BoxError, Envelope, HandlerError, KeyExtractor, Outcome, Route};
-use oncely_amqp::lapin::Connection;
 use oncely_amqp::{Runner, Topology};
 use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
@@ -62,10 +63,7 @@ where
             shutdown.cancel();
         }
     });
-    let address = amqp_addr();
-    let report = runner
-        .run_with_reconnect(|| Connection::connect(&address, Default::default()), &shutdown)
-        .await?;
+    let report = runner.run_with_reconnect(amqp, &shutdown).await?;
     println!("{report}");
     Ok(())
 }
@@ -75,7 +73,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let drain = std::env::args().any(|arg| arg == "--drain");
     let metrics = serve_metrics()?;
     println!("metrics at http://{metrics}/metrics");
-    let redis = redis::Client::open(setting("REDIS_URL", "redis://127.0.0.1:6379"))?
+    let redis = oncely::tls::redis::client(setting("REDIS_URL", "redis://127.0.0.1:6379"), &tls())?
         .get_connection_manager()
         .await?;
     let store = setting("RECORD_STORE", "postgres");

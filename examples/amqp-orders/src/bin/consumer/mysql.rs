@@ -1,8 +1,8 @@
 //! The consumer's record and tables on MySQL or MariaDB (`MYSQL_URL`), in the database
 //! `amqp_orders` (created if missing).
 
-use amqp_orders::{SCHEMA, SKUS, setting};
-use oncely::mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use amqp_orders::{SCHEMA, SKUS, setting, tls};
+use oncely::mysql::sqlx::mysql::MySqlPoolOptions;
 use oncely::mysql::sqlx::{self, MySqlPool};
 use oncely::mysql::{Table, migrate};
 use oncely::record::{MysqlTransaction, MysqlTransactionalLayer};
@@ -41,7 +41,8 @@ async fn deduct_stock(
 
 /// A pool of 16 on the example's database, created first if missing.
 async fn pool() -> Result<MySqlPool, sqlx::Error> {
-    let server: MySqlConnectOptions = setting("MYSQL_URL", "mysql://root@127.0.0.1:3306/test").parse()?;
+    let server =
+        oncely::tls::mysql::options(&setting("MYSQL_URL", "mysql://root@127.0.0.1:3306/test"), &tls())?;
     let admin = MySqlPoolOptions::new()
         .max_connections(1)
         .connect_with(server.clone())

@@ -1,9 +1,8 @@
 //! The consumer's record and tables on PostgreSQL (`DATABASE_URL`), in the schema
 //! `amqp_orders`.
 
-use amqp_orders::{SCHEMA, SKUS, setting};
-use deadpool_postgres::tokio_postgres::{Config, NoTls};
-use deadpool_postgres::{Manager, Pool};
+use amqp_orders::{SCHEMA, SKUS, setting, tls};
+use deadpool_postgres::Pool;
 use oncely::postgres::{Table, migrate};
 use oncely::record::{PgTransaction, PgTransactionalLayer};
 use oncely::{BusinessKey, HandlerError, Json};
@@ -12,18 +11,16 @@ use tower::ServiceBuilder;
 
 use crate::{Order, OrdersFlag};
 
-/// A pool on `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`) whose
-/// connections search the example's schema first.
+/// A pool on `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`; TLS with
+/// `sslmode=require`) whose connections search the example's schema first.
 fn pool() -> Pool {
     let url = setting("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
     let separator = if url.contains('?') { '&' } else { '?' };
-    let config: Config = format!("{url}{separator}options=-csearch_path%3D{SCHEMA}")
-        .parse()
-        .expect("a valid DATABASE_URL");
-    Pool::builder(Manager::new(config, NoTls))
-        .max_size(16)
-        .build()
-        .expect("a pool")
+    let url = format!("{url}{separator}options=-csearch_path%3D{SCHEMA}");
+    let tls = tls();
+    let config = oncely::tls::postgres::config(&url, &tls).expect("a valid DATABASE_URL");
+    let manager = oncely::tls::postgres::manager(config, &tls, Default::default()).expect("the TLS settings");
+    Pool::builder(manager).max_size(16).build().expect("a pool")
 }
 
 /// Deducts the order's stock and writes its stock move, in the record's transaction.
