@@ -173,7 +173,7 @@ impl Options {
                     .into(),
             ),
             (BrokerKind::RocketMq, ..) if self.tls => {
-                Err("--tls runs with --broker amqp only (the RocketMQ servers here speak no TLS)".into())
+                Err("--tls runs with --broker amqp only (RocketMQ over TLS is not set up here yet)".into())
             }
             (BrokerKind::RocketMq, ChaosStack::Full, _) => Ok(()),
             (BrokerKind::RocketMq, _, _) => Err("--broker rocketmq runs the full stack only".into()),
