@@ -7,7 +7,7 @@ SHELL := bash
 AMQP_ADDR_4 ?= amqp://guest:guest@127.0.0.1:5673/%2f
 .SHELLFLAGS := -eo pipefail -c
 
-.PHONY: demo test fmt lint doc services package bench chaos fuzz
+.PHONY: demo test fmt lint doc services msrv package bench chaos fuzz
 
 ## The zero-setup quickstart: the whole stack on in-memory stores, no servers.
 demo:
@@ -39,7 +39,7 @@ CHAOS_SHORT_TLS = --tls --store mysql --stack batched --messages 2000 --keys 400
 ## MariaDB, both at 16; then RocketMQ; then every consumer connection on TLS, the record batched
 ## on MariaDB), and the crates packaged as the registry would take them (`make package`).
 ## Ends with one line totalling every cargo test binary: "tests: N passed, N failed".
-test: fmt lint doc services package
+test: msrv fmt lint doc services package
 	log=$$(mktemp); trap 'rm -f "$$log" "$$log.report"' EXIT; \
 	$(CARGO) test --workspace --all-features 2>&1 | tee "$$log"; \
 	$(CARGO) run -q -p quickstart; \
@@ -78,6 +78,17 @@ lint:
 doc:
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --all-features
+
+## The manifests' rust-version is checked by building with it: `make test` builds and tests on
+## that toolchain, or checks the workspace with it when rustup has it beside a newer one;
+## otherwise it fails, since a newer toolchain would hide a use of a newer API.
+msrv:
+	@want=$$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml); \
+	have=$$($(CARGO) --version | sed -E 's/^cargo ([0-9]+\.[0-9]+).*/\1/'); \
+	if [ "$$want" = "$$have" ]; then echo "rust-version $$want: the toolchain make test builds with"; \
+	elif rustup run "$$want" cargo --version >/dev/null 2>&1; then \
+	  rustup run "$$want" cargo check --workspace --all-features --all-targets; \
+	else echo "rust-version $$want unverified: cargo is $$have and rustup has no $$want"; exit 1; fi
 
 ## The crates as the registry would take them: `cargo publish --dry-run` packages each
 ## publishable crate (licence files, readme, metadata), resolves its dependencies from
