@@ -43,6 +43,9 @@ make_ca() {
     -keyout "$ONCELY_TLS_DIR/$1.key" -out "$ONCELY_TLS_DIR/$1.pem" 2>/dev/null
 }
 
+# Set when this run made the certificates anew: every listener then takes the new ones.
+TLS_REMADE=""
+
 ensure_tls_files() {
   # Made again a month before the CA or a certificate expires.
   if [[ -f $ONCELY_TLS_DIR/client.pem ]] \
@@ -68,8 +71,7 @@ keyUsage=critical,digitalSignature,keyEncipherment"
     openssl pkcs8 -topk8 -nocrypt -in "$ONCELY_TLS_DIR/$name.key" -out "$ONCELY_TLS_DIR/$name.key.new"
     mv "$ONCELY_TLS_DIR/$name.key.new" "$ONCELY_TLS_DIR/$name.key"
   done
-  # Servers still serving certificates made before are restarted by their ensure_ step:
-  # each compares its copy (server_copy) with the new files.
+  TLS_REMADE=1
 }
 
 # server_copy USER: a directory of ca.pem, server.pem and server.key that USER owns.
@@ -92,6 +94,10 @@ redis_tls_answers() {
 ensure_redis_tls() {
   local host port
   host=$(url_host "$REDIS_TLS_URL"); port=$(url_port "$REDIS_TLS_URL" 6380)
+  if [[ -n $TLS_REMADE && -f /var/run/redis-oncely-tls.pid ]]; then
+    kill "$(cat /var/run/redis-oncely-tls.pid)" 2>/dev/null || true
+    wait_for redis-tls-stop 10 bash -c "! (exec 3<>/dev/tcp/$host/$port) 2>/dev/null"
+  fi
   if redis_tls_answers "$host" "$port"; then log "tls: redis up at $host:$port"; return; fi
   is_local "$host" || die "tls: no Redis TLS listener at $host:$port, and it is not this machine"
   log "tls: starting redis-server with TLS only on 127.0.0.1:$port"
@@ -112,7 +118,7 @@ ensure_postgres_tls() {
   local host port admin dir
   host=$(url_host "$DATABASE_URL"); port=$(url_port "$DATABASE_URL" 5432)
   admin="postgres://$(url_user "$DATABASE_URL" postgres)@$host:$port/postgres"
-  if psql "$admin" -tAc "SHOW ssl_cert_file" | grep -q "/var/lib/oncely-tls/postgres/server.pem" \
+  if [[ -z $TLS_REMADE ]] && psql "$admin" -tAc "SHOW ssl_cert_file" | grep -q "/var/lib/oncely-tls/postgres/server.pem" \
     && [[ $(psql "$admin" -tAc "SHOW ssl") == on ]]; then
     server_copy postgres >/dev/null
     log "tls: postgres serves the test certificate at $host:$port"
@@ -148,7 +154,7 @@ ensure_mariadb_tls() {
   host=$(url_host "$MYSQL_URL"); port=$(url_port "$MYSQL_URL" 3306); user=$(url_user "$MYSQL_URL" root)
   export MYSQL_PWD; MYSQL_PWD=$(url_password "$MYSQL_URL" || true)
   local ask=(mariadb --protocol=tcp -h "$host" -P "$port" -u "$user" -N -e)
-  if "${ask[@]}" "SELECT @@ssl_cert" | grep -q "/var/lib/oncely-tls/mysql/server.pem"; then
+  if [[ -z $TLS_REMADE ]] && "${ask[@]}" "SELECT @@ssl_cert" | grep -q "/var/lib/oncely-tls/mysql/server.pem"; then
     server_copy mysql >/dev/null
     log "tls: mariadb serves the test certificate at $host:$port"
     return
@@ -184,7 +190,7 @@ amqp_tls_answers() {
 ensure_rabbitmq_tls() {
   local host port dir conf=/etc/rabbitmq/rabbitmq.conf
   host=$(url_host "$AMQP_TLS_ADDR"); port=$(url_port "$AMQP_TLS_ADDR" 5671)
-  if amqp_tls_answers "$host" "$port"; then log "tls: rabbitmq up at $host:$port"; return; fi
+  if [[ -z $TLS_REMADE ]] && amqp_tls_answers "$host" "$port"; then log "tls: rabbitmq up at $host:$port"; return; fi
   is_local "$host" || die "tls: no RabbitMQ TLS listener at $host:$port, and it is not this machine"
   dir=$(server_copy rabbitmq)
   if ! grep -q "^listeners.ssl.default" "$conf" 2>/dev/null; then

@@ -12,8 +12,9 @@
 //! - `completions SHELL`: shell completions.
 //!
 //! Tables for people, `--json` for scripts. It reads the consumers' settings: `DATABASE_URL`
-//! (or `MYSQL_URL` with `--store mysql`), `REDIS_URL`, `AMQP_ADDR`, `ROCKETMQ_NAMESRV`;
-//! schema, table and Redis prefix are flags. On MySQL `--schema` names the record table's
+//! (or `MYSQL_URL` with `--store mysql`), `REDIS_URL`, `AMQP_ADDR`, `ROCKETMQ_NAMESRV`, and
+//! for TLS `ONCELY_CA_CERT`, `ONCELY_TLS_CERT`, `ONCELY_TLS_KEY` (`--ca-cert`,
+//! `--client-cert`, `--client-key`); schema, table and Redis prefix are flags. On MySQL `--schema` names the record table's
 //! database (default: the one in `MYSQL_URL`), since a MySQL table lives in a database.
 //!
 //! # Exit codes
@@ -22,7 +23,7 @@
 //! |---|---|
 //! | 0 | done (also: nothing to do, e.g. `mark-done` on a `SUCCESS` row) |
 //! | 1 | error: a store or broker unreachable, failing or not answering within `--timeout`; a queue or topic that does not exist; a row not in a state the action applies to; an incomplete `inspect` (a store could not be read: what the others said is shown); dead letters `replay` left in place because they are not oncely's |
-//! | 2 | usage: bad arguments (clap's), an invalid `--schema` or `--table` |
+//! | 2 | usage: bad arguments (clap's), an invalid `--schema` or `--table`, TLS files missing or not PEM |
 //! | 3 | not found: an unknown key, no dead letter with the id or position `dlq show` asked for |
 //! | 4 | busy: another retention runner holds the lock (`purge`) |
 //! | 5 | declined at the confirmation prompt: nothing was changed |
@@ -53,7 +54,7 @@ Exit codes:
   1  error: a store or broker failed or did not answer within --timeout, a queue or topic
      does not exist, a row is not in a state the action applies to, an incomplete inspect,
      dead letters left in place by replay because they are not oncely's
-  2  usage: bad arguments, an invalid --schema or --table
+  2  usage: bad arguments, an invalid --schema or --table, TLS files missing or not PEM
   3  not found: unknown key, no such dead letter
   4  busy: another retention runner holds the lock
   5  declined at the confirmation prompt";
@@ -125,9 +126,9 @@ pub(crate) struct Globals {
     )]
     rocketmq_namesrv: String,
     /// The PEM file of the certificate authorities to trust on TLS connections (`amqps://`,
-    /// `rediss://`, `sslmode=require`, `ssl-mode=VERIFY_IDENTITY`), instead of the
-    /// platform's (RabbitMQ: beside them). Given, it makes PostgreSQL and MySQL URLs that name
-    /// no mode require TLS.
+    /// `rediss://`, `sslmode=require`, `ssl-mode=VERIFY_IDENTITY`): for PostgreSQL and Redis
+    /// instead of the platform's, for RabbitMQ beside them, for MySQL beside Mozilla's.
+    /// Given, it makes PostgreSQL and MySQL URLs without a verifying mode require TLS.
     #[arg(long, global = true, env = oncely::tls::CA_CERT_ENV)]
     ca_cert: Option<std::path::PathBuf>,
     /// The PEM file of the client certificate for servers that ask for one (mutual TLS);

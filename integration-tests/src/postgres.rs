@@ -47,7 +47,7 @@ pub fn pool_on(url: &str, size: usize) -> Pool {
 }
 
 /// A pool of up to `size` connections of `config`, through `tls`.
-pub fn pool_with<T>(config: Config, size: usize, tls: T) -> Pool
+fn pool_with<T>(config: Config, size: usize, tls: T) -> Pool
 where
     T: deadpool_postgres::tokio_postgres::tls::MakeTlsConnect<deadpool_postgres::tokio_postgres::Socket>
         + Clone

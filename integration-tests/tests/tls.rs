@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use integration_tests::postgres::{ScratchSchema, pool_with};
+use integration_tests::postgres::ScratchSchema;
 use integration_tests::redis_server::ScratchRedisCluster;
 use integration_tests::tls::{
     amqp_tls_addr, another_ca, database_tls_url, mysql_tls_url, redis_tls_url, settings, without_client_cert,
@@ -52,22 +52,32 @@ async fn refused_certificate<T, E: std::error::Error>(
     error
 }
 
+/// A pool as a user makes one: `config`, then `manager`, which picks TLS by the mode.
 fn pg_pool(url: &str, settings: &TlsSettings, size: usize) -> deadpool_postgres::Pool {
     let config = oncely::tls::postgres::config(url, settings).expect("a valid DATABASE_TLS_URL");
-    let connector = oncely::tls::postgres::connector(settings).expect("the test certificates");
-    pool_with(config, size, connector)
+    let manager =
+        oncely::tls::postgres::manager(config, settings, Default::default()).expect("the test certificates");
+    deadpool_postgres::Pool::builder(manager)
+        .max_size(size)
+        .build()
+        .expect("a pool")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_over_tls_passes_the_record_and_state_suites() {
     let pool = pg_pool(&database_tls_url(), &settings(), 16);
     let client = pool.get().await.expect("a TLS connection");
-    let encrypted: bool = client
-        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[])
+    let seen = client
+        .query_one(
+            "SELECT ssl, client_dn FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+            &[],
+        )
         .await
-        .expect("the server's view of this connection")
-        .get(0);
-    assert!(encrypted, "the server sees a plain-text connection");
+        .expect("the server's view of this connection");
+    assert!(seen.get::<_, bool>(0), "the server sees a plain-text connection");
+    // The server asks for a client certificate (its ssl_ca_file is set) and verified ours.
+    let client_dn: Option<String> = seen.get(1);
+    assert_eq!(client_dn.as_deref(), Some("/CN=oncely-test-client"));
     drop(client);
     let schema = ScratchSchema::new(&pool).await;
     oncely::store_suite!(record, run: PgRecordStore::new(pool.clone(), schema.records()));
@@ -78,10 +88,17 @@ async fn postgres_over_tls_passes_the_record_and_state_suites() {
 async fn postgres_refuses_a_certificate_from_another_ca() {
     let pool = pg_pool(&database_tls_url(), &another_ca(), 1);
     refused_certificate("PostgreSQL", pool.get()).await;
-    // Settings for TLS and a URL that names no mode: TLS is required, not fallen back from.
+    // Settings for TLS and a URL that names no mode, or `prefer`: TLS is required (through
+    // `manager`, a plain connection would have been made), not fallen back from.
     let url = database_tls_url().replace("?sslmode=require", "");
-    let pool = pg_pool(&url, &another_ca(), 1);
-    refused_certificate("PostgreSQL, no sslmode", pool.get()).await;
+    assert!(
+        !url.contains("sslmode"),
+        "DATABASE_TLS_URL with another mode: {url}"
+    );
+    for url in [url.clone(), format!("{url}?sslmode=prefer")] {
+        let pool = pg_pool(&url, &another_ca(), 1);
+        refused_certificate(&format!("PostgreSQL, {url}"), pool.get()).await;
+    }
 }
 
 async fn mysql_pool(
@@ -130,6 +147,10 @@ async fn mariadb_refuses_a_certificate_from_another_ca() {
     refused_certificate("MariaDB", mysql_pool(&another_ca(), None)).await;
     // Settings for TLS and a URL that names no mode: the identity is verified.
     let url = mysql_tls_url().replace("?ssl-mode=VERIFY_IDENTITY", "");
+    assert!(
+        !url.contains("ssl-mode"),
+        "MYSQL_TLS_URL with another mode: {url}"
+    );
     let options = oncely::tls::mysql::options(&url, &another_ca()).expect("a valid URL");
     refused(
         "MariaDB, no ssl-mode",

@@ -22,7 +22,7 @@
 //! ```
 //!
 //! Limit: lapin trusts a given CA *beside* the platform's authorities, not instead of
-//! them (the other stores trust only the given one).
+//! them (PostgreSQL and Redis trust only the given one; see `oncely::tls`).
 
 pub use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use oncely::tls::{TlsError, TlsSettings};

@@ -7,8 +7,9 @@
 //! ecosystem already build. A certificate is always verified — its chain up to a trusted
 //! authority, and the server's name (or IP address) — whatever the URL's mode says
 //! (`sslmode=require` verifies as `verify-full` does); there is no switch to skip it. The
-//! one exception is MySQL's `PREFERRED` and `REQUIRED` without settings, which sqlx
-//! encrypts without verifying, as MySQL's own clients do.
+//! exceptions are MySQL's: `PREFERRED` and `REQUIRED` without settings encrypt without
+//! verifying, and `VERIFY_CA` verifies the chain without the host name, as MySQL's own
+//! clients do.
 //!
 //! What each service takes:
 //!
@@ -24,11 +25,14 @@
 //! default modes are weaker than *required*: PostgreSQL's `prefer` connects in plain text
 //! through [`postgres::manager`], and MySQL's `PREFERRED` encrypts when the server offers
 //! it without verifying the certificate. [`postgres::config`] and [`mysql::options`] raise
-//! either default to *required and verified* once a CA or a client certificate is given, so
-//! that settings for TLS never end in a silent plain-text connection. Without [`TlsSettings::with_ca_cert`], PostgreSQL, Redis and
-//! RabbitMQ trust the platform's authorities, and MySQL trusts Mozilla's (sqlx's
-//! `webpki-roots`). Encrypted private keys are not read: give the key in PKCS#8, PKCS#1 or
-//! SEC1 PEM without a passphrase.
+//! those modes to *required and verified* once a CA or a client certificate is given, so
+//! that settings for TLS never end in a silent plain-text connection.
+//!
+//! Whom each service trusts: PostgreSQL and Redis the given CA alone (else the platform's
+//! authorities); RabbitMQ the given CA beside the platform's (lapin adds it); MySQL the
+//! given CA beside Mozilla's authorities (sqlx's `webpki-roots`), never the platform's.
+//! Encrypted private keys are not read: give the key in PKCS#8, PKCS#1 or SEC1 PEM without
+//! a passphrase.
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -109,8 +113,10 @@ pub struct TlsSettings {
 }
 
 impl TlsSettings {
-    /// Trusts only the authorities in the PEM file `path` (one or several certificates; a
-    /// managed service's CA bundle, a company's private CA) instead of the platform's.
+    /// Trusts the authorities in the PEM file `path` (one or several certificates; a
+    /// managed service's CA bundle, a company's private CA): on PostgreSQL and Redis
+    /// instead of the platform's, on RabbitMQ beside them, on MySQL beside Mozilla's (see
+    /// the module's limits).
     pub fn with_ca_cert(mut self, path: impl Into<PathBuf>) -> Self {
         self.ca_cert = Some(path.into());
         self

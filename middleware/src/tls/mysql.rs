@@ -11,13 +11,14 @@ use super::TlsSettings;
 /// `VERIFY_IDENTITY`, …) with the CA and the client certificate of `settings`. When
 /// `settings` give either, a mode weaker than verifying — none named (sqlx's default,
 /// `PREFERRED`), `PREFERRED` or `REQUIRED` — becomes `VERIFY_IDENTITY` (MySQL's own
-/// clients likewise verify `REQUIRED` once given a CA): settings for TLS never end in a
-/// plain-text or unverified connection. `DISABLED` stays plain.
+/// clients go to `VERIFY_CA` there): settings for TLS never end in a plain-text or
+/// unverified connection. `DISABLED` stays plain.
 ///
 /// Limits: without settings, sqlx's `PREFERRED` and `REQUIRED` encrypt without verifying
-/// the certificate, as MySQL's clients do. The verifying modes trust the given CA beside
-/// Mozilla's authorities (sqlx's `webpki-roots`), not the platform's. The files are read
-/// when a connection is made, not here.
+/// the certificate, as MySQL's clients do; `VERIFY_CA` verifies the chain but not the host
+/// name, as MySQL defines it. The verifying modes trust the given CA beside Mozilla's
+/// authorities (sqlx's `webpki-roots`), not the platform's. The files are read when a
+/// connection is made, not here.
 pub fn options(url: &str, settings: &TlsSettings) -> Result<MySqlConnectOptions, sqlx::Error> {
     let mut options = MySqlConnectOptions::from_str(url)?;
     let weaker_than_verifying = match options.get_ssl_mode() {

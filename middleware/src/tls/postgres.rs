@@ -18,39 +18,33 @@ pub fn connector(settings: &TlsSettings) -> Result<MakeRustlsConnect, TlsError> 
 }
 
 /// A pool manager of `config` (see [`config`]): through [`connector`] when its mode
-/// requires TLS, or is an explicit `prefer` with settings given; in plain text otherwise —
-/// `prefer` without settings connects in plain text, as oncely did before TLS, rather than
-/// fail on a server whose certificate nobody asked to trust (Debian's "snakeoil" one). Ask
-/// for `sslmode=require` (or give settings) for TLS.
+/// requires TLS, in plain text otherwise — `prefer` (the default without settings)
+/// connects in plain text, as oncely did before TLS, rather than fail on a server whose
+/// certificate nobody asked to trust (Debian's "snakeoil" one). Ask for `sslmode=require`
+/// (or give settings, which [`config`] turns into it) for TLS.
 pub fn manager(
     config: Config,
     settings: &TlsSettings,
     manager_config: ManagerConfig,
 ) -> Result<Manager, TlsError> {
-    let tls = match config.get_ssl_mode() {
-        SslMode::Require => true,
-        // Settings given: TLS when the server offers it, verified, as `prefer` promises.
-        SslMode::Prefer => settings.is_given(),
-        _ => false,
-    };
-    Ok(match tls {
-        true => Manager::from_config(config, connector(settings)?, manager_config),
-        false => Manager::from_config(config, NoTls, manager_config),
+    Ok(match config.get_ssl_mode() {
+        SslMode::Require => Manager::from_config(config, connector(settings)?, manager_config),
+        _ => Manager::from_config(config, NoTls, manager_config),
     })
 }
 
 /// Parses a PostgreSQL URL or key-value string as libpq users write it: `sslmode=verify-ca`
 /// and `verify-full` (which tokio-postgres does not parse) mean TLS required, verified as
-/// every mode is. When `settings` give a CA or a client certificate and the URL names no
-/// `sslmode` (libpq's default, `prefer`), TLS is required: settings for TLS never end in a
-/// plain-text connection to a server that does not offer it. `sslmode=disable` stays plain.
+/// every mode is, host name included (stricter than libpq's `verify-ca`). When `settings`
+/// give a CA or a client certificate, `prefer` — named or libpq's default — becomes
+/// `require`: settings for TLS never end in a plain-text connection to a server that does
+/// not offer it. `sslmode=disable` stays plain.
 pub fn config(url: &str, settings: &TlsSettings) -> Result<Config, deadpool_postgres::tokio_postgres::Error> {
-    let named_mode = ["sslmode=", "sslmode ="].iter().any(|key| url.contains(key));
     let url = url
         .replace("sslmode=verify-full", "sslmode=require")
         .replace("sslmode=verify-ca", "sslmode=require");
     let mut config = Config::from_str(&url)?;
-    if !named_mode && settings.is_given() {
+    if config.get_ssl_mode() == SslMode::Prefer && settings.is_given() {
         config.ssl_mode(SslMode::Require);
     }
     Ok(config)
@@ -77,7 +71,8 @@ mod tests {
             SslMode::Require
         );
         assert_eq!(mode(&format!("{url}?sslmode=disable"), &given), SslMode::Disable);
-        assert_eq!(mode(&format!("{url}?sslmode=prefer"), &given), SslMode::Prefer);
+        assert_eq!(mode(&format!("{url}?sslmode=prefer"), &given), SslMode::Require);
+        assert_eq!(mode(&format!("{url}?sslmode=prefer"), &plain), SslMode::Prefer);
         assert_eq!(
             mode("host=db.example sslmode=verify-full", &plain),
             SslMode::Require

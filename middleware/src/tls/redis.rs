@@ -32,8 +32,8 @@ fn certificates(settings: &TlsSettings) -> Result<TlsCertificates, TlsError> {
 }
 
 /// A client of the Redis at `url`: over TLS when the URL is `rediss://`, trusting the
-/// settings' authorities beside the platform's (redis-rs loads both) and presenting their
-/// client certificate; in plain text for `redis://` and `redis+unix://`. Its connections are what the flag, lock and delivery counters
+/// settings' authorities alone (else the platform's) and presenting their client
+/// certificate; in plain text for `redis://` and `redis+unix://`. Its connections are what the flag, lock and delivery counters
 /// take (`client.get_connection_manager()`).
 pub fn client<T: IntoConnectionInfo>(url: T, settings: &TlsSettings) -> Result<Client, RedisTlsError> {
     let info = url.into_connection_info()?;
@@ -46,8 +46,9 @@ pub fn client<T: IntoConnectionInfo>(url: T, settings: &TlsSettings) -> Result<C
 }
 
 /// A client of the Redis Cluster seeded by `urls` (`rediss://` each), trusting the
-/// settings' authorities beside the platform's and presenting their client certificate to
-/// every node; its async connections (`get_async_connection`) are what the stores take.
+/// settings' authorities alone (else the platform's) and presenting their client
+/// certificate to every node; its async connections (`get_async_connection`) are what the
+/// stores take.
 pub fn cluster_client<T: IntoConnectionInfo>(
     urls: impl IntoIterator<Item = T>,
     settings: &TlsSettings,
