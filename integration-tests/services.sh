@@ -312,6 +312,10 @@ TOML
       wait_for rocketmq-broker 60 broker_started "$pid"
       tcp_open 127.0.0.1 10911 && break
       log "rocketmq: the broker exited during startup (try $try); see $run/broker.log"
+      # Its store refuses to start on a disk fuller than its limit (seen at 74 % used).
+      if grep -aq "disk capacity requires reclaim" "$run/broker.log"; then
+        die "rocketmq: the broker refuses to start: its disk is over the store's usage limit ($(df -h --output=pcent "$run" | tail -n 1 | tr -d ' ') used); free space (a cargo target directory, old clones' builds) and run again"
+      fi
       ((try < 3)) || die "rocketmq: the broker did not start"
       sleep 3
     done
