@@ -35,6 +35,7 @@ pub enum TokenCheck {
 impl TokenCheck {
     /// What a book answers for a token it found: issued to the client presenting it
     /// (`own`), not yet expired (`live`). Another client's token is unknown to this one.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn of(own: bool, live: bool) -> Self {
         match (own, live) {
             (false, _) => TokenCheck::Unknown,
